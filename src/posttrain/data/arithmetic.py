@@ -1,0 +1,118 @@
+"""The built-in arithmetic prompt generator (the default task when ``rl.data`` names no source).
+
+Sample ``i`` is drawn from an RNG seeded with ``(seed, i)`` alone, so the stream is endless, any
+sample can be regenerated on its own, and the cursor is just the next index.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from collections.abc import Sequence
+from typing import Any
+
+from posttrain.data.base import PromptSample
+from posttrain.data.jsonl import apply_system_prompt
+from posttrain.errors import DataError
+
+ALLOWED_OPS = ("+", "-", "*")
+TEMPLATE_FIELDS = frozenset({"a", "op", "b"})
+
+
+def arithmetic_problems(min_operand: int, max_operand: int, ops: Sequence[str], template: str) -> list[str]:
+    """Every problem with these generator settings (empty when they are valid)."""
+    problems: list[str] = []
+    if min_operand > max_operand:
+        problems.append(f"rl.data.arithmetic_min ({min_operand}) is larger than rl.data.arithmetic_max ({max_operand})")
+    if not ops:
+        problems.append(f"rl.data.arithmetic_ops is empty; pick some of {list(ALLOWED_OPS)}")
+    bad_ops = [op for op in ops if op not in ALLOWED_OPS]
+    if bad_ops:
+        problems.append(f"rl.data.arithmetic_ops has unknown operators {bad_ops}; allowed: {list(ALLOWED_OPS)}")
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as exc:
+        problems.append(f"rl.data.arithmetic_template is not a valid format string ({exc}): {template!r}")
+    else:
+        unknown = sorted(fields - TEMPLATE_FIELDS)
+        if unknown:
+            problems.append(
+                f"rl.data.arithmetic_template uses unknown fields {unknown}; only {{a}}, {{op}} and {{b}} "
+                f"are filled in: {template!r}"
+            )
+    return problems
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    return a * b
+
+
+class ArithmeticSource:
+    """Endless ``a op b`` questions whose ground truth is the integer answer."""
+
+    provides = frozenset({"prompt", "ground_truth"})
+
+    def __init__(
+        self,
+        seed: int = 0,
+        *,
+        min_operand: int = 1,
+        max_operand: int = 20,
+        ops: Sequence[str] = ("+",),
+        template: str = "What is {a} {op} {b}? Reply with only the number.",
+        system_prompt: str | None = None,
+    ) -> None:
+        problems = arithmetic_problems(min_operand, max_operand, ops, template)
+        if problems:
+            raise DataError("; ".join(problems))
+        self.seed = seed
+        self.min_operand = min_operand
+        self.max_operand = max_operand
+        self.ops = tuple(ops)
+        self.template = template
+        self.system_prompt = system_prompt
+        self._index = 0
+
+    def sample(self, index: int) -> PromptSample:
+        """Sample ``index`` of this seed's stream (independent of the cursor)."""
+        # A string seed is hashed with SHA-512 by `random`, so it is stable across processes and
+        # Python versions (unlike hash()), and distinct (seed, index) pairs give unrelated streams.
+        rng = random.Random(f"posttrain-arith:{self.seed}:{index}")
+        a = rng.randint(self.min_operand, self.max_operand)
+        b = rng.randint(self.min_operand, self.max_operand)
+        op = rng.choice(self.ops)
+        question = self.template.format(a=a, op=op, b=b)
+        return PromptSample(
+            prompt=apply_system_prompt(question, self.system_prompt),
+            ground_truth=_apply(a, op, b),
+            uid=f"arith:{index}",
+            metadata={"a": a, "op": op, "b": b},
+        )
+
+    def next_batch(self, n: int) -> list[PromptSample]:
+        """The next ``n`` questions."""
+        if n < 0:
+            raise ValueError(f"next_batch needs n >= 0, got {n}")
+        out = [self.sample(i) for i in range(self._index, self._index + n)]
+        self._index += n
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor: the next index (and the seed, so a resume with another seed is caught)."""
+        return {"index": self._index, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from the index in ``state``."""
+        if "seed" in state and state["seed"] != self.seed:
+            raise DataError(
+                f"the arithmetic cursor was saved with data seed {state['seed']} but this run uses "
+                f"{self.seed}; an exact resume needs the same data seed"
+            )
+        index = int(state["index"])
+        if index < 0:
+            raise DataError(f"invalid arithmetic cursor index {index}")
+        self._index = index

@@ -1,0 +1,256 @@
+"""JSONL prompt files, plus the row validation and epoch cursor every corpus-backed source shares.
+
+A corpus source (JSONL, a dataset saved on disk, a custom factory) turns its rows into
+``PromptSample``s once, at construction, so a malformed row fails before any model loads, and then
+serves them through ``CorpusSource``: the same epoch/permutation cursor for all three, so resuming
+is identical whatever the backing store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from posttrain.data.base import ChatMessages, PromptSample
+from posttrain.errors import DataError
+
+
+def apply_system_prompt(prompt: str | ChatMessages, system_prompt: str | None) -> str | ChatMessages:
+    """Put ``system_prompt`` in front of ``prompt``.
+
+    A string becomes ``[system, user]`` messages; a message list gets the system message prepended
+    unless it already opens with one (the row's own system message wins: it is more specific).
+    """
+    if system_prompt is None:
+        return prompt
+    system = {"role": "system", "content": system_prompt}
+    if isinstance(prompt, str):
+        return [system, {"role": "user", "content": prompt}]
+    if prompt and prompt[0].get("role") == "system":
+        return prompt
+    return [system, *prompt]
+
+
+def _check_messages(value: list[Any], column: str, where: str) -> ChatMessages:
+    if not value:
+        raise DataError(f"{where}: column {column!r} is an empty message list; give at least one message")
+    for k, msg in enumerate(value):
+        if not isinstance(msg, Mapping) or "role" not in msg or "content" not in msg:
+            raise DataError(
+                f"{where}: column {column!r} message {k} must be an object with 'role' and 'content', got {_short(msg)}"
+            )
+        if not isinstance(msg["role"], str):
+            raise DataError(f"{where}: column {column!r} message {k} has a non-string role {_short(msg['role'])}")
+        # Multimodal content is a list of parts; anything else is not a chat message.
+        if not isinstance(msg["content"], (str, list)):
+            raise DataError(
+                f"{where}: column {column!r} message {k} content must be a string or a list of parts, "
+                f"got {_short(msg['content'])}"
+            )
+    return [dict(msg) for msg in value]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _columns(row: Mapping[Any, Any]) -> list[str]:
+    # str() first: a factory dict may mix key types, which sorted() alone would refuse.
+    return sorted(str(key) for key in row)
+
+
+def check_prompt(value: Any, column: str, where: str) -> str | ChatMessages:
+    """Validate one prompt value: a non-empty string or a list of ``{"role", "content"}`` messages."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{where}: column {column!r} is an empty string; give the prompt text")
+        return value
+    if isinstance(value, list):
+        return _check_messages(value, column, where)
+    raise DataError(
+        f"{where}: column {column!r} must be a string or a list of chat messages, "
+        f"got {type(value).__name__} {_short(value)}"
+    )
+
+
+def row_to_sample(
+    row: Any,
+    *,
+    where: str,
+    uid: str,
+    prompt_column: str,
+    response_column: str | None,
+    system_prompt: str | None,
+) -> PromptSample:
+    """Turn one row (a JSON object / dataset row / factory dict) into a ``PromptSample``.
+
+    ``where`` names the row in errors (``"data.jsonl line 3"``); every problem raises ``DataError``.
+    """
+    if not isinstance(row, Mapping):
+        raise DataError(
+            f"{where}: expected an object (JSON object / dict) per row, got {type(row).__name__} {_short(row)}"
+        )
+    if prompt_column not in row:
+        raise DataError(
+            f"{where}: missing prompt column {prompt_column!r} (row has {_columns(row)}); "
+            "set rl.data.prompt_column to the column holding the prompt"
+        )
+    prompt = check_prompt(row[prompt_column], prompt_column, where)
+    ground_truth = None
+    if response_column is not None:
+        if response_column not in row or row[response_column] is None:
+            state = "missing" if response_column not in row else "null"
+            raise DataError(
+                f"{where}: response column {response_column!r} is {state} (row has {_columns(row)}); "
+                "set rl.data.response_column to the ground-truth column, or to null when the reward "
+                "needs none"
+            )
+        ground_truth = row[response_column]
+    return PromptSample(prompt=apply_system_prompt(prompt, system_prompt), ground_truth=ground_truth, uid=uid)
+
+
+def parse_jsonl_line(
+    text: str,
+    *,
+    path: str,
+    lineno: int,
+    prompt_column: str,
+    response_column: str | None,
+    system_prompt: str | None = None,
+) -> PromptSample:
+    """Parse one non-blank JSONL line into a sample; a problem raises ``DataError`` naming file and line."""
+    where = f"{path} line {lineno}"
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+    return row_to_sample(
+        row,
+        where=where,
+        uid=f"{os.path.basename(path)}:{lineno}",
+        prompt_column=prompt_column,
+        response_column=response_column,
+        system_prompt=system_prompt,
+    )
+
+
+class CorpusSource:
+    """A finite list of samples served endlessly, epoch after epoch.
+
+    Epoch ``e`` visits the samples in file order, or, with ``shuffle``, in the order of a
+    permutation seeded with ``seed + e``; the cursor is just ``(epoch, position)``.
+    """
+
+    def __init__(self, samples: Sequence[PromptSample], *, shuffle: bool, seed: int, provides: frozenset[str]) -> None:
+        if not samples:
+            raise DataError("the prompt source holds no rows")
+        self._samples = list(samples)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.provides = provides
+        self._epoch = 0
+        self._position = 0
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if epoch != self._order_epoch:
+            order = list(range(len(self._samples)))
+            if self.shuffle:
+                random.Random(self.seed + epoch).shuffle(order)
+            self._order, self._order_epoch = order, epoch
+        return self._order
+
+    def next_batch(self, n: int) -> list[PromptSample]:
+        """The next ``n`` samples; crosses into the next (reshuffled) epoch when the corpus ends."""
+        if n < 0:
+            raise ValueError(f"next_batch needs n >= 0, got {n}")
+        out: list[PromptSample] = []
+        while len(out) < n:
+            order = self._epoch_order(self._epoch)
+            take = min(n - len(out), len(order) - self._position)
+            out.extend(self._samples[i] for i in order[self._position : self._position + take])
+            self._position += take
+            if self._position == len(order):
+                self._epoch, self._position = self._epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor, plus the seed and corpus size so a resume onto other data is caught."""
+        return {"epoch": self._epoch, "position": self._position, "seed": self.seed, "num_rows": len(self)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where ``state`` was written; refuse a changed seed or corpus size."""
+        if "seed" in state and state["seed"] != self.seed:
+            raise DataError(
+                f"the data cursor was saved with data seed {state['seed']} but this run uses {self.seed}; "
+                "an exact resume needs the same rl.seed (or rollout.seed with "
+                "rl.data_seed_follows_rollout_seed)"
+            )
+        if "num_rows" in state and state["num_rows"] != len(self):
+            raise DataError(
+                f"the data cursor was saved for {state['num_rows']} rows but the source now has "
+                f"{len(self)}; resume with the same data"
+            )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < len(self):
+            raise DataError(f"invalid data cursor epoch={epoch} position={position} for {len(self)} rows")
+        self._epoch, self._position = epoch, position
+
+
+def corpus_provides(response_column: str | None) -> frozenset[str]:
+    """What a corpus source carries: the prompt, and the ground truth when a response column is set."""
+    return frozenset({"prompt", "ground_truth"}) if response_column is not None else frozenset({"prompt"})
+
+
+class JsonlSource(CorpusSource):
+    """Prompts from a JSONL file, read whole at construction (one JSON object per line)."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        prompt_column: str = "prompt",
+        response_column: str | None = "answer",
+        shuffle: bool = True,
+        seed: int = 0,
+        system_prompt: str | None = None,
+    ) -> None:
+        self.path = path
+        samples = self._read(path, prompt_column, response_column, system_prompt)
+        super().__init__(samples, shuffle=shuffle, seed=seed, provides=corpus_provides(response_column))
+
+    @staticmethod
+    def _read(
+        path: str, prompt_column: str, response_column: str | None, system_prompt: str | None
+    ) -> list[PromptSample]:
+        samples: list[PromptSample] = []
+        try:
+            # Iterate the file rather than str.splitlines(): that would also split on U+2028 inside
+            # JSON strings and shift every line number after it.
+            with open(path, encoding="utf-8-sig") as fh:
+                for lineno, text in enumerate(fh, start=1):
+                    if not text.strip():
+                        continue
+                    samples.append(
+                        parse_jsonl_line(
+                            text,
+                            path=path,
+                            lineno=lineno,
+                            prompt_column=prompt_column,
+                            response_column=response_column,
+                            system_prompt=system_prompt,
+                        )
+                    )
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"rl.data.path: cannot read JSONL file {path}: {exc}") from exc
+        if not samples:
+            raise DataError(f"rl.data.path: JSONL file {path} has no rows (it is empty or only blank lines)")
+        return samples

@@ -1,0 +1,1 @@
+"""Command-line entry points: ``posttrain`` (cli) and ``python -m posttrain.entrypoints.grpo``."""

@@ -1,0 +1,264 @@
+"""The GRPO loop: one iteration per collected batch.
+
+    prompts -> rollout (group_size samples each) -> rewards -> group advantages
+            -> policy update (pi_old / ref passes, micro-batches, optimizer) -> weights to rollout
+            -> one metrics frame
+
+Everything that varies between objectives lives in ``posttrain.algorithm`` and is chosen from the
+config; the loop itself reads like the algorithm.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from posttrain.algorithm.advantages import group_advantages, group_reward_spread, informative_groups
+from posttrain.config.schema import GRPOConfig
+from posttrain.data.base import DataSource, PromptSample
+from posttrain.data.build import build_data_source
+from posttrain.loop.dynamic_sampling import ScoredGroup, collect_dynamic_for, dynamic_sampling_log_line
+from posttrain.loop.run_dir import create_run_dir, write_resolved_config
+from posttrain.metrics.sinks import MetricsLogger
+from posttrain.metrics.timers import StepTimer
+from posttrain.models.chat import eos_token_ids, render_prompt_ids
+from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.policy.trainer import PolicyTrainer, TrainBatch, build_reference
+from posttrain.rewards.base import Reward, RewardInput
+from posttrain.rewards.registry import get_reward, score_completions
+from posttrain.rollout.base import Completion, RolloutBatch, RolloutEngine, SamplingParams
+from posttrain.rollout.hf_engine import HFRolloutEngine
+
+
+@dataclass
+class Collected:
+    """One collected batch: prompts, their rollouts, rewards and advantages."""
+
+    prompts: list[PromptSample]
+    rollout: RolloutBatch
+    rewards_NG: torch.Tensor
+    advantages_NG: torch.Tensor
+
+
+@dataclass
+class Roles:
+    """What collecting a batch needs: the prompt source, the rollout engine, the reward, the tokenizer."""
+
+    data: DataSource
+    engine: RolloutEngine
+    reward: Reward
+    tokenizer: Any
+
+
+def seed_everything(seed: int) -> None:
+    """Python, NumPy and torch RNGs (sampling has its own generator in the engine)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def sampling_params(cfg: GRPOConfig) -> SamplingParams:
+    """The rollout section as engine sampling controls."""
+    ro = cfg.rollout
+    return SamplingParams(
+        max_tokens=ro.max_tokens,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=ro.top_k,
+        repetition_penalty=ro.repetition_penalty,
+        seed=ro.seed,
+    )
+
+
+def draw_groups(cfg: GRPOConfig, roles: Roles, num_prompts: int) -> Collected:
+    """Draw prompts, sample ``group_size`` completions each, score them, compute advantages."""
+    rl = cfg.rl
+    prompts = roles.data.next_batch(num_prompts)
+    prompt_ids = [
+        render_prompt_ids(roles.tokenizer, p.prompt, use_chat_template=cfg.model.use_chat_template) for p in prompts
+    ]
+    rollout = roles.engine.generate(prompt_ids, rl.group_size, sampling_params(cfg))
+    inputs = [
+        RewardInput(
+            prompt=prompts[c.prompt_index].prompt,
+            completion=c.text,
+            ground_truth=prompts[c.prompt_index].ground_truth,
+            finish_reason=c.finish_reason,
+            metadata=prompts[c.prompt_index].metadata,
+        )
+        for c in rollout.completions
+    ]
+    uids = [f"{prompts[c.prompt_index].uid}#{k % rl.group_size}" for k, c in enumerate(rollout.completions)]
+    scores = score_completions(roles.reward, inputs, uids)
+    rewards_NG = torch.tensor(scores, dtype=torch.float32).view(len(prompts), rl.group_size)
+    # Advantages are computed on the whole group here, before any completion is masked out of the loss.
+    advantages_NG = group_advantages(rewards_NG, unbiased=rl.unbiased_advantage, eps=rl.advantage_eps)
+    return Collected(prompts, rollout, rewards_NG, advantages_NG)
+
+
+@dataclass
+class GroupPayload:
+    """One prompt's complete group, as dynamic sampling keeps or drops it."""
+
+    prompt: PromptSample
+    prompt_ids: list[int]
+    completions: list[Completion]
+    rewards_G: torch.Tensor
+    advantages_G: torch.Tensor
+    stats: dict[str, float]
+
+
+def split_groups(collected: Collected, group_size: int) -> list[ScoredGroup]:
+    """A drawn batch as groups stamped with their reward spread (the informative test reads only that)."""
+    spread_N = group_reward_spread(collected.rewards_NG).tolist()
+    comps = collected.rollout.completions
+    return [
+        ScoredGroup(
+            spread=spread_N[i],
+            payload=GroupPayload(
+                prompt=collected.prompts[i],
+                prompt_ids=collected.rollout.prompt_token_ids[i],
+                completions=comps[i * group_size : (i + 1) * group_size],
+                rewards_G=collected.rewards_NG[i],
+                advantages_G=collected.advantages_NG[i],
+                stats=collected.rollout.stats,
+            ),
+        )
+        for i in range(len(collected.prompts))
+    ]
+
+
+def join_groups(groups: list[GroupPayload]) -> Collected:
+    """The trained groups as one collected batch, completions renumbered by their new prompt index."""
+    completions = [replace(c, prompt_index=i) for i, g in enumerate(groups) for c in g.completions]
+    stats: dict[str, float] = {}
+    for g in groups:  # the last dispatch's engine stats stand for the step
+        stats = g.stats
+    rollout = RolloutBatch(prompt_token_ids=[g.prompt_ids for g in groups], completions=completions, stats=stats)
+    return Collected(
+        prompts=[g.prompt for g in groups],
+        rollout=rollout,
+        rewards_NG=torch.stack([g.rewards_G for g in groups]),
+        advantages_NG=torch.stack([g.advantages_G for g in groups]),
+    )
+
+
+def collect(cfg: GRPOConfig, roles: Roles) -> tuple[Collected, dict[str, float]]:
+    """One collected batch; with a dynamic-sampling quota, keep drawing until it holds enough
+    informative groups (DAPO), train on those first and drop the rest."""
+    rl = cfg.rl
+    if rl.effective_min_informative_groups == 0:
+        return draw_groups(cfg, roles, rl.groups_per_step), {}
+
+    def draw(counts: list[int]) -> list[list[ScoredGroup]]:
+        return [split_groups(draw_groups(cfg, roles, n), rl.group_size) if n else [] for n in counts]
+
+    result = collect_dynamic_for(rl, draw)
+    # Train in draw order: selection order would put every informative group in the first mini-batch.
+    chosen = sorted(result.groups, key=lambda g: (g.draw_round, g.order))
+    return join_groups([g.payload for g in chosen]), result.metrics
+
+
+def to_train_batch(cfg: GRPOConfig, collected: Collected) -> TrainBatch:
+    """The trainer's view; truncated completions leave the loss here when masking is on."""
+    completions = collected.rollout.completions
+    truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+    in_loss = ~truncated if cfg.rl.mask_truncated_completions else torch.ones_like(truncated)
+    return TrainBatch(
+        prompt_ids=[collected.rollout.prompt_token_ids[c.prompt_index] for c in completions],
+        completion_ids=[c.token_ids for c in completions],
+        advantages_B=collected.advantages_NG.reshape(-1),
+        in_loss_B=in_loss,
+        sampler_logprobs=[c.logprobs for c in completions],
+    )
+
+
+def rollout_metrics(collected: Collected) -> dict[str, float]:
+    """Reward and response statistics of the collected batch (before any update)."""
+    rewards = collected.rewards_NG
+    lengths = torch.tensor([len(c.token_ids) for c in collected.rollout.completions], dtype=torch.float32)
+    truncated = [c.finish_reason == "length" for c in collected.rollout.completions]
+    metrics = {
+        "train/reward_mean": float(rewards.mean()),
+        "train/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "train/grpo_informative_group_count": float(informative_groups(rewards).sum()),
+        "train/rollout_truncated_frac": sum(truncated) / max(1, len(truncated)),
+        "train/response_len_mean": float(lengths.mean()),
+        "train/response_len_max": float(lengths.max()),
+    }
+    metrics.update({k: float(v) for k, v in collected.rollout.stats.items()})
+    return metrics
+
+
+def train(cfg: GRPOConfig, argv: list[str] | None = None) -> Path:
+    """Run GRPO as configured; returns the run directory."""
+    run_dir = create_run_dir(cfg)
+    write_resolved_config(run_dir, cfg, {"argv": argv or []})
+    log = MetricsLogger(
+        run_dir,
+        tensorboard=cfg.job.tensorboard,
+        wandb=cfg.job.wandb,
+        wandb_project=cfg.job.project,
+        run_name=f"{cfg.job.group}/{cfg.job.name}/{run_dir.name}",
+        config=cfg.model_dump(mode="json"),
+        console_every=cfg.job.console_every,
+        max_steps=cfg.rl.max_steps,
+    )
+    log.info(f"run directory: {run_dir}")
+    seed_everything(cfg.rl.seed)
+    t0 = time.perf_counter()
+    model, tokenizer = load_model_and_tokenizer(cfg.model)
+    params = sum(p.numel() for p in model.parameters())
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    log.info(
+        f"model {cfg.model.name_or_path}: {params / 1e6:.1f}M parameters on {device} in {dtype} "
+        f"(loaded in {time.perf_counter() - t0:.1f}s)"
+    )
+    data = build_data_source(cfg.rl.data, cfg.data_seed)
+    reward = get_reward(cfg.rl.reward)
+    engine = HFRolloutEngine(
+        model, tokenizer, batch_size=cfg.rollout.batch_size, eos_ids=eos_token_ids(tokenizer, model.config)
+    )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    roles = Roles(data=data, engine=engine, reward=reward, tokenizer=tokenizer)
+    trainer = PolicyTrainer(model, cfg, pad_id=pad_id, ref_model=build_reference(model, cfg))
+    rl = cfg.rl
+    log.info(
+        f"GRPO ({cfg.algorithm}): {rl.max_steps} steps x {rl.groups_per_step} prompts x {rl.group_size} "
+        f"samples, reward={rl.reward}, data={rl.data.kind}, n_mini={rl.n_mini}, lr={rl.optimizer.lr:g}"
+    )
+    if quota_line := dynamic_sampling_log_line(rl):
+        log.info(quota_line)
+    timer = StepTimer()
+    try:
+        for step in range(1, rl.max_steps + 1):
+            with timer.phase("rollout"):
+                collected, sampling_metrics = collect(cfg, roles)
+            with timer.phase("train"):
+                train_metrics = trainer.train_on(to_train_batch(cfg, collected), step)
+            with timer.phase("weight_sync"):
+                engine.load_weights(None, version=trainer.optimizer_step)
+            log.log(step, {**rollout_metrics(collected), **sampling_metrics, **train_metrics, **timer.frame()})
+    finally:
+        log.close()
+    _finish(run_dir, log)
+    return run_dir
+
+
+def _finish(run_dir: Path, log: MetricsLogger) -> None:
+    """Best-effort report PNG and summary at the end of a run."""
+    try:
+        from posttrain.metrics.report import write_report
+
+        png, summary = write_report(run_dir)
+        print(summary)
+        print(f"reward curve: {png}")
+    except Exception as exc:  # the report is a convenience; a failure must not fail a finished run
+        print(f"warning: could not write the run report: {exc}")
+    print(f"metrics: {run_dir / 'metrics.jsonl'}")

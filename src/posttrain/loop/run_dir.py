@@ -1,0 +1,68 @@
+"""The run directory: ``$POSTTRAIN_OUTPUT_ROOT/<project>/<group>/<name>/<RUN_TS>/``.
+
+The output root is ``job.output_root`` when set, else ``$POSTTRAIN_OUTPUT_ROOT``, else ``./outputs``.
+Each attempt gets its own timestamped directory; ``config_resolved.yaml`` holds the full config
+with the values the loop derives from it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from posttrain.config.schema import GRPOConfig
+
+DEFAULT_OUTPUT_ROOT = "outputs"
+
+
+def output_root(cfg: GRPOConfig) -> Path:
+    """Where every run of every job is written."""
+    return Path(cfg.job.output_root or os.environ.get("POSTTRAIN_OUTPUT_ROOT") or DEFAULT_OUTPUT_ROOT)
+
+
+def job_dir(cfg: GRPOConfig) -> Path:
+    """The namespace of one job: all its attempts live below it."""
+    return output_root(cfg) / cfg.job.project / cfg.job.group / cfg.job.name
+
+
+def create_run_dir(cfg: GRPOConfig) -> Path:
+    """A new, empty attempt directory (a same-second collision gets a ``-1``, ``-2`` ... suffix)."""
+    base = job_dir(cfg)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for suffix in ["", *(f"-{i}" for i in range(1, 1000))]:
+        path = base / f"{stamp}{suffix}"
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a fresh run directory under {base}")
+
+
+def resolved_config(cfg: GRPOConfig) -> dict[str, Any]:
+    """The config as written to ``config_resolved.yaml``: every field plus derived values."""
+    tree = cfg.model_dump(mode="json")
+    tree["resolved"] = {
+        "n_mini": cfg.rl.n_mini,
+        "groups_per_step": cfg.rl.groups_per_step,
+        "effective_min_informative_groups": cfg.rl.effective_min_informative_groups,
+        "data_seed": cfg.data_seed,
+        "data_source": cfg.rl.data.kind,
+    }
+    return tree
+
+
+def write_resolved_config(run_dir: Path, cfg: GRPOConfig, extra: dict[str, Any] | None = None) -> Path:
+    """Write ``config_resolved.yaml`` atomically (temp file, then rename)."""
+    tree = resolved_config(cfg)
+    if extra:
+        tree.update(extra)
+    path = run_dir / "config_resolved.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(tree, sort_keys=False))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,1 @@
+"""The policy side: per-token logprobs, batching, optimizers and the update step."""

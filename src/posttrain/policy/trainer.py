@@ -1,0 +1,262 @@
+"""The policy update: pi_old and reference passes, the objective over micro-batches, the optimizer step.
+
+One call of ``PolicyTrainer.train_on`` consumes one collected batch. It splits the batch into
+``n_mini`` mini-batches (one optimizer step each) and every mini-batch into micro-batches (a
+memory-only split: each micro-batch's loss is divided by the mini-batch's global token and sequence
+counts, so the summed gradient equals the unsplit one). Which objective runs is decided by the
+``ObjectiveSpec`` built from the config; this file has no ``if loss_type == ...``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from posttrain.algorithm.objectives import LossInputs, LossNormalizer, LossStats, ObjectiveSpec, policy_loss
+from posttrain.config.schema import GRPOConfig
+from posttrain.errors import PosttrainError, TrainingError
+from posttrain.policy.batching import PolicyBatch, build_policy_batch
+from posttrain.policy.logprobs import completion_logprobs
+from posttrain.policy.optim import build_optimizer, build_scheduler
+
+# How far pi_old may sit from the first mini-batch's own logprobs before the run is stopped: the
+# pass uses the same micro-batch composition, so on a deterministic backend the gap is zero; the
+# bound leaves room for nondeterministic kernels only.
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+@dataclass
+class TrainBatch:
+    """The trajectories of one collected batch, as the trainer needs them.
+
+    ``in_loss_B`` is False for completions removed from the loss (truncated ones under
+    ``rl.mask_truncated_completions``); their advantages were still computed with the whole group.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    advantages_B: torch.Tensor
+    in_loss_B: torch.Tensor
+    sampler_logprobs: list[list[float]]
+
+
+def objective_spec(cfg: GRPOConfig) -> ObjectiveSpec:
+    """The frozen objective description built from the config."""
+    rl = cfg.rl
+    return ObjectiveSpec(
+        surrogate=rl.grpo_surrogate,
+        importance_sampling_level=rl.importance_sampling_level,
+        loss_type=rl.loss_type,
+        epsilon_low=rl.epsilon_low,
+        epsilon_high=rl.epsilon_high,
+        kl_beta=rl.kl_beta,
+        kl_coeff_clamp=rl.kl_coeff_clamp,
+        max_tokens=cfg.rollout.max_tokens,
+        score_centering=rl.score_centering.enabled,
+        sc_compose=rl.score_centering.compose,
+        is_threshold=rl.score_centering.is_threshold,
+    )
+
+
+def build_reference(policy: nn.Module, cfg: GRPOConfig) -> nn.Module | None:
+    """A frozen copy of the initial policy (or of ``rl.ref.model_dir``) when the KL term needs one."""
+    if cfg.rl.kl_beta <= 0 and not cfg.rl.ref.build_ref:
+        return None
+    if cfg.rl.ref.model_dir is not None:
+        from posttrain.models.loading import load_model_and_tokenizer
+
+        ref_cfg = cfg.model.model_copy(update={"name_or_path": cfg.rl.ref.model_dir})
+        ref, _ = load_model_and_tokenizer(ref_cfg)
+    else:
+        ref = copy.deepcopy(policy)
+    live = [name for name, mod in ref.named_modules() if isinstance(mod, nn.Dropout) and mod.p > 0]
+    live += [
+        k
+        for k, v in vars(getattr(ref, "config", object())).items()
+        if "dropout" in k and isinstance(v, float) and v > 0
+    ]
+    if live:
+        raise PosttrainError(
+            f"the reference model has live dropout ({', '.join(live[:4])}): its logprobs would be random; "
+            "set the dropout probabilities to 0 in the model config"
+        )
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def _pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    """1-D float rows right-padded with zeros to ``width`` columns."""
+    out = torch.zeros(len(rows), width, dtype=torch.float32, device=device)
+    for i, row in enumerate(rows):
+        n = min(width, row.numel())
+        out[i, :n] = row[:n]
+    return out
+
+
+class PolicyTrainer:
+    """Owns the optimizer and performs the updates of one collected batch."""
+
+    def __init__(self, model: nn.Module, cfg: GRPOConfig, *, pad_id: int, ref_model: nn.Module | None = None):
+        self.model = model
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.ref_model = ref_model
+        self.spec = objective_spec(cfg)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.optimizer = build_optimizer(model, cfg.rl.optimizer, self.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.rl.optimizer.warmup_steps)
+        self.optimizer_step = 0
+        self.zero_grad_skips_total = 0
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
+
+    # -- partitioning -------------------------------------------------------------------------
+    def _mini_batches(self, n: int) -> list[list[int]]:
+        size = self.cfg.rl.mini_batch
+        return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
+
+    def _micro_batches(self, batch: TrainBatch, mini: list[int]) -> list[list[int]]:
+        """Micro-batches of a mini-batch, grouped by length so that little padding is computed."""
+        size = self.cfg.rl.micro_batch_per_replica or len(mini)
+        by_len = sorted(mini, key=lambda i: len(batch.prompt_ids[i]) + len(batch.completion_ids[i]))
+        return [by_len[i : i + size] for i in range(0, len(by_len), size)]
+
+    def _policy_batch(self, batch: TrainBatch, rows: list[int]) -> PolicyBatch:
+        return build_policy_batch(
+            [batch.prompt_ids[i] for i in rows],
+            [batch.completion_ids[i] for i in rows],
+            pad_id=self.pad_id,
+            device=self.device,
+        )
+
+    def _logprobs(self, model: nn.Module, pb: PolicyBatch) -> torch.Tensor:
+        out = completion_logprobs(
+            model, pb, temperature=self.cfg.rl.temperature, chunk_tokens=self.cfg.model.logprob_chunk_tokens
+        )
+        return out if isinstance(out, torch.Tensor) else out[0]
+
+    # -- passes --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _old_logprobs(self, batch: TrainBatch) -> list[torch.Tensor] | None:
+        """pi_old per sequence: the sampler's logprobs, a frozen pass ahead (n_mini > 1), or None
+        (n_mini == 1: pi_old is the current policy itself, so the ratio is exactly one)."""
+        rl = self.cfg.rl
+        if rl.use_rollout_logprobs_for_loss:
+            return [torch.tensor(lp, dtype=torch.float32, device=self.device) for lp in batch.sampler_logprobs]
+        if rl.n_mini == 1 or rl.grpo_surrogate == "legacy_pg":
+            return None
+        old: list[torch.Tensor | None] = [None] * len(batch.completion_ids)
+        was_training = self.model.training
+        self.model.train()  # same mode as the update pass, so the probe compares like with like
+        for mini in self._mini_batches(len(batch.completion_ids)):
+            for rows in self._micro_batches(batch, mini):
+                logprobs_BT = self._logprobs(self.model, self._policy_batch(batch, rows))
+                for j, i in enumerate(rows):
+                    old[i] = logprobs_BT[j, : len(batch.completion_ids[i])].float()
+        self.model.train(was_training)
+        return [t for t in old if t is not None]
+
+    def _loss_inputs(
+        self, batch: TrainBatch, rows: list[int], pb: PolicyBatch, old: list[torch.Tensor] | None
+    ) -> LossInputs:
+        logprobs_BT = self._logprobs(self.model, pb)
+        width = logprobs_BT.shape[1]
+        mask_BT = pb.completion_mask_BT.float() * batch.in_loss_B[rows].to(self.device).float()[:, None]
+        old_BT = logprobs_BT.detach() if old is None else _pad_rows([old[i] for i in rows], width, self.device)
+        ref_BT = None
+        if self.ref_model is not None and self.spec.kl_beta > 0:
+            with torch.no_grad():
+                ref_BT = self._logprobs(self.ref_model, pb)
+        sampler_BT = _pad_rows(
+            [torch.tensor(batch.sampler_logprobs[i], dtype=torch.float32) for i in rows], width, self.device
+        )
+        return LossInputs(
+            logprobs_BT=logprobs_BT,
+            old_logprobs_BT=old_BT,
+            advantages_B=batch.advantages_B[rows].to(self.device).float(),
+            mask_BT=mask_BT,
+            ref_logprobs_BT=ref_BT,
+            sampler_logprobs_BT=sampler_BT,
+        )
+
+    def _probe(self, inputs: LossInputs, step: int) -> None:
+        """pi_old must equal the first mini-batch's current logprobs: the policy has not moved yet."""
+        gap = ((inputs.logprobs_BT.detach() - inputs.old_logprobs_BT).abs() * inputs.mask_BT).max()
+        tol = PROBE_TOLERANCE.get(self.dtype, 1e-4)
+        if float(gap) > tol:
+            raise TrainingError(
+                f"step {step}: determinism probe failed: pi_old differs from the first mini-batch's logprobs by "
+                f"{float(gap):.3g} nats (> {tol}); the forward pass is not reproducible (dropout left on, "
+                "nondeterministic kernels, or a MoE router); fix that before training with n_mini > 1"
+            )
+
+    # -- the update ----------------------------------------------------------------------------
+    def train_on(self, batch: TrainBatch, step: int) -> dict[str, float]:
+        """All optimizer steps of one collected batch; returns the batch's training metrics."""
+        old = self._old_logprobs(batch)
+        probe = old is not None and not self.cfg.rl.use_rollout_logprobs_for_loss
+        self.model.train()
+        totals: LossStats | None = None
+        losses, grad_norms = [], []
+        for mini in self._mini_batches(len(batch.completion_ids)):
+            in_loss = batch.in_loss_B[mini].to(self.device).float()
+            lengths = torch.tensor(
+                [len(batch.completion_ids[i]) for i in mini], dtype=torch.float32, device=self.device
+            )
+            norm = LossNormalizer(num_tokens=(lengths * in_loss).sum(), num_seqs=in_loss.sum())
+            loss_sum = torch.zeros((), device=self.device)
+            for rows in self._micro_batches(batch, mini):
+                pb = self._policy_batch(batch, rows)
+                inputs = self._loss_inputs(batch, rows, pb, old)
+                if probe:
+                    self._probe(inputs, step)
+                    probe = False
+                loss, stats = policy_loss(inputs, self.spec, norm)
+                loss.backward()
+                loss_sum += loss.detach()
+                totals = stats if totals is None else totals.merge(stats)
+            grad_norms.append(self._optimizer_step(step))
+            losses.append(loss_sum)
+        self.model.eval()
+        metrics = {k: float(v) for k, v in (totals.to_metrics() if totals else {}).items()}
+        metrics["train/loss_avg"] = float(torch.stack(losses).mean())
+        metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["optim/zero_grad_skips_total"] = float(self.zero_grad_skips_total)
+        metrics["optim/lr"] = float(self.scheduler.get_last_lr()[0])
+        metrics["optim/step"] = float(self.optimizer_step)
+        return metrics
+
+    def _optimizer_step(self, step: int) -> float:
+        """Clip, check, step. A non-finite gradient or update is fatal; an exactly-zero one is skipped."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.cfg.rl.optimizer.grad_clip_norm or float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # one host sync per step
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            bad = next(
+                (self._param_names[id(p)] for p in params if p.grad is not None and not torch.isfinite(p.grad).all()),
+                "?",
+            )
+            raise TrainingError(
+                f"step {step}: non-finite gradient (grad_norm={grad_norm}) first seen in parameter {bad}; "
+                "the update was not applied. Lower rl.optimizer.lr, set rl.kl_coeff_clamp, or check the data"
+            )
+        if grad_norm == 0.0:
+            # every group tied (all advantages zero): nothing to learn, and Adam would still move
+            self.zero_grad_skips_total += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.optimizer_step += 1
+        if not torch.isfinite(torch.stack(torch._foreach_norm(params))).all():
+            bad = next((self._param_names[id(p)] for p in params if not torch.isfinite(p).all()), "?")
+            raise TrainingError(
+                f"step {step}: the optimizer step produced non-finite weights in parameter {bad} "
+                f"(optimizer {self.cfg.rl.optimizer.name}); resume from the last checkpoint with a lower lr"
+            )
+        return grad_norm

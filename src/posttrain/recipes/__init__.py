@@ -1,0 +1,1 @@
+"""Recipes shipped with posttrain; ``--config NAME`` finds them by file name."""

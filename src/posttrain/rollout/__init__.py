@@ -1,0 +1,1 @@
+"""Rollout engines: sample completions for prompts. All engines share ``RolloutEngine``."""

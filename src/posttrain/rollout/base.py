@@ -1,0 +1,63 @@
+"""The rollout engine protocol shared by the transformers engine and (later) vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling controls; ``top_k <= 0`` disables top-k, ``top_p == 1`` disables nucleus."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """One sampled completion.
+
+    ``token_ids`` are the generated ids (ending with EOS when ``finish_reason == "stop"``);
+    ``logprobs`` holds the sampler's log-probability of each generated token under the
+    distribution it sampled from (raw model logits divided by temperature, before top-p/top-k),
+    one float per token.
+    """
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutBatch:
+    """What ``generate`` returns: ``n`` completions per prompt, grouped by prompt in order, plus the
+    tokenized prompts (``prompt_token_ids[i]`` belongs to prompt ``i``)."""
+
+    prompt_token_ids: list[list[int]]
+    completions: list[Completion]
+    weight_version: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    """Samples completions. Engines receive policy weights through ``load_weights``."""
+
+    weight_version: int
+
+    def generate(self, prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> RolloutBatch: ...
+
+    def load_weights(self, named_tensors: Any, version: int) -> None:
+        """Copy new policy weights in; stamp ``version`` only after the whole transfer succeeded."""
+        ...
+
+    def close(self) -> None: ...

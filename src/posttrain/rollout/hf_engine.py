@@ -1,0 +1,348 @@
+"""The transformers rollout engine: a lean KV-cached sampling loop over a Hugging Face causal LM.
+
+Why not ``model.generate``: on a 2-core CPU this loop is about twice as fast on the default job's
+shape (see ``benchmarks/``), because each prompt is prefilled once and its KV cache is repeated for
+its ``n`` samples, only the last position's logits are computed during the prefill, and finished
+sequences leave the batch instead of being decoded as padding.
+
+Per chunk of at most ``batch_size`` sequences: the chunk's distinct prompts are left-padded and
+prefilled together (attention mask + position ids that start at 0 on the first real token), the
+cache rows are repeated for the copies of each prompt, then one token per step is decoded for the
+sequences still running, until every one has produced an EOS id or ``max_tokens`` tokens.
+
+Sampler logprobs are ``log_softmax(raw_logits / temperature)`` at the sampled token, where *raw*
+means before the repetition penalty and before top-k / top-p warping: the distribution the policy
+defines, which is what the trainer compares against. With warping on, the tokens are drawn from
+the warped distribution, so these logprobs are then not those of the sampling distribution.
+
+Sampling is reproducible: every ``generate`` call draws from its own ``torch.Generator`` seeded from
+``(params.seed, call index)``, never from the global RNG, and the call index is part of
+``state_dict()`` so a resumed run continues the same stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.errors import TrainingError
+from posttrain.models.chat import eos_token_ids
+from posttrain.rollout.base import Completion, FinishReason, RolloutBatch, SamplingParams
+
+
+@dataclass
+class _Chunk:
+    """One decode batch: distinct prompts (in order) and how many samples each gets."""
+
+    prompt_index_U: list[int]
+    counts_U: list[int]
+
+
+def plan_chunks(num_prompts: int, n: int, batch_size: int) -> list[_Chunk]:
+    """Split the ``num_prompts * n`` sequences, grouped by prompt, into chunks of ``batch_size``."""
+    rows = [p for p in range(num_prompts) for _ in range(n)]
+    chunks = []
+    for start in range(0, len(rows), batch_size):
+        counts = Counter(rows[start : start + batch_size])  # insertion-ordered: prompt order kept
+        chunks.append(_Chunk(list(counts), list(counts.values())))
+    return chunks
+
+
+def call_seed(seed: int, call_index: int) -> int:
+    """A 63-bit generator seed that differs for every (seed, call) pair."""
+    digest = hashlib.sha256(f"posttrain-hf-rollout:{seed}:{call_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def warp_logits(scores_BV: torch.Tensor, params: SamplingParams, seen_BV: torch.Tensor | None) -> torch.Tensor:
+    """Sampling scores: repetition penalty on already-seen ids, temperature, then top-k and top-p.
+
+    The penalty follows the usual convention (positive logits divided, negative ones multiplied).
+    Top-p keeps the smallest head of the sorted distribution whose mass reaches ``top_p``.
+    """
+    if params.repetition_penalty != 1.0 and seen_BV is not None:
+        penalized = torch.where(
+            scores_BV > 0, scores_BV / params.repetition_penalty, scores_BV * params.repetition_penalty
+        )
+        scores_BV = torch.where(seen_BV, penalized, scores_BV)
+    scores_BV = scores_BV / params.temperature
+    vocab = scores_BV.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth_B1 = torch.topk(scores_BV, params.top_k, dim=-1).values[:, -1:]
+        scores_BV = scores_BV.masked_fill(scores_BV < kth_B1, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_BV, order_BV = torch.sort(scores_BV, dim=-1, descending=True)
+        probs_BV = torch.softmax(sorted_BV, dim=-1)
+        mass_before_BV = torch.cumsum(probs_BV, dim=-1) - probs_BV
+        sorted_BV = sorted_BV.masked_fill(mass_before_BV >= params.top_p, float("-inf"))
+        scores_BV = torch.full_like(scores_BV, float("-inf")).scatter(-1, order_BV, sorted_BV)
+    return scores_BV
+
+
+def sample_tokens(
+    raw_logits_BV: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    seen_BV: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; returns ``(ids_B, logprobs_B)`` with the raw tempered logprobs."""
+    raw_logits_BV = raw_logits_BV.float()
+    if params.temperature <= 0:  # greedy; its logprob is reported at temperature 1
+        ids_B = warp_logits(raw_logits_BV, _untempered(params), seen_BV).argmax(dim=-1)
+        logprobs_BV = torch.log_softmax(raw_logits_BV, dim=-1)
+    else:
+        probs_BV = torch.softmax(warp_logits(raw_logits_BV, params, seen_BV), dim=-1)
+        ids_B = _inverse_cdf_sample(probs_BV, generator)
+        logprobs_BV = torch.log_softmax(raw_logits_BV / params.temperature, dim=-1)
+    return ids_B, logprobs_BV.gather(-1, ids_B[:, None]).squeeze(-1)
+
+
+def _inverse_cdf_sample(probs_BV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row by inverting the CDF with a single uniform number.
+
+    Six times faster than ``torch.multinomial`` on CPU at a 49k vocabulary (which draws one
+    exponential per vocabulary entry). The CDF is accumulated in float64 so that rounding does not
+    shift mass between tokens; an id of probability zero is never returned (its CDF step is flat).
+    """
+    cdf_BV = probs_BV.double().cumsum(dim=-1)
+    u_B1 = torch.rand((probs_BV.shape[0], 1), generator=generator, dtype=torch.float64, device=probs_BV.device)
+    ids_B1 = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True)
+    return ids_B1.squeeze(-1).clamp(max=probs_BV.shape[-1] - 1)
+
+
+def _untempered(params: SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=1.0,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        repetition_penalty=params.repetition_penalty,
+        seed=params.seed,
+    )
+
+
+@dataclass
+class _DecodeState:
+    """The running part of one chunk; rows leave it as they emit an EOS id."""
+
+    alive_A: torch.Tensor  # output row of each running sequence
+    mask_AK: torch.Tensor  # attention mask over cached keys
+    pos_A: torch.Tensor  # position id of the last fed token
+    logits_AV: torch.Tensor  # next-token logits
+    seen_AV: torch.Tensor | None  # ids seen so far (repetition penalty only)
+
+    def keep(self, keep_A: torch.Tensor, cache: Any) -> None:
+        idx = keep_A.nonzero().squeeze(-1)
+        cache.batch_select_indices(idx)
+        self.alive_A, self.mask_AK, self.pos_A = self.alive_A[idx], self.mask_AK[idx], self.pos_A[idx]
+        if self.seen_AV is not None:
+            self.seen_AV = self.seen_AV[idx]
+
+
+class HFRolloutEngine:
+    """Samples completions with a transformers model; may share the policy's module (colocated)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        batch_size: int = 256,
+        eos_ids: list[int] | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        generation_config = getattr(model, "generation_config", None)
+        self.eos_ids = (
+            list(eos_ids) if eos_ids else eos_token_ids(tokenizer, model.config, generation_config=generation_config)
+        )
+        pad = getattr(tokenizer, "pad_token_id", None)
+        # The pad id only fills masked slots, so any valid id works when the tokenizer has none.
+        self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
+        self.weight_version = 0
+        self._calls = 0
+        self._poisoned: str | None = None
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """The sampling stream's position (saved in checkpoints so a resume draws the same samples)."""
+        return {"generate_calls": self._calls}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self._calls = int(state["generate_calls"])
+
+    def close(self) -> None:
+        """Nothing to release: the engine holds no processes or pools."""
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None, version: int
+    ) -> None:
+        """Copy ``named_tensors`` into the module and stamp ``version`` once all were copied.
+
+        ``None`` means the engine shares the policy's module (nothing to copy). If a copy fails
+        midway the module holds a mix of versions: the engine is poisoned and refuses to sample.
+        """
+        if named_tensors is not None:
+            pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+            targets = self.model.state_dict(keep_vars=True)
+            copied = 0
+            try:
+                with torch.no_grad():
+                    for name, tensor in pairs:
+                        if name not in targets:
+                            raise KeyError(f"the rollout model has no tensor named {name!r}")
+                        targets[name].copy_(tensor)
+                        copied += 1
+            except Exception as err:
+                self._poisoned = (
+                    f"load_weights for version {version} failed after {copied} tensor(s): {err}; the rollout "
+                    "weights are a mix of versions"
+                )
+                raise TrainingError(f"{self._poisoned}. Resume from the last checkpoint (rl.resume=auto).") from err
+        self.weight_version = version
+
+    # -- sampling ------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> RolloutBatch:
+        """``n`` completions per prompt, grouped by prompt (prompt 0's ``n`` first)."""
+        if self._poisoned is not None:
+            raise TrainingError(
+                f"the rollout engine cannot sample: {self._poisoned}. Resume from the last checkpoint (rl.resume=auto)."
+            )
+        self._check_inputs(prompt_token_ids, n, params)
+        call_index = self._calls
+        self._calls += 1
+        device = next(self.model.parameters()).device
+        generator = torch.Generator(device=device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(call_seed(params.seed, call_index))
+        start = time.perf_counter()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                results = []
+                for chunk in plan_chunks(len(prompt_token_ids), n, self.batch_size):
+                    prompts = [prompt_token_ids[i] for i in chunk.prompt_index_U]
+                    results += self._decode_chunk(prompts, chunk.counts_U, params, generator, device)
+        finally:
+            self.model.train(was_training)
+        gen_s = time.perf_counter() - start
+        return self._package(prompt_token_ids, n, results, gen_s)
+
+    @staticmethod
+    def _check_inputs(prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> None:
+        if n < 1:
+            raise ValueError(f"rl.group_size (n) must be >= 1, got {n}")
+        if params.max_tokens < 1:
+            raise ValueError(f"rollout.max_tokens must be >= 1, got {params.max_tokens}")
+        empty = [i for i, p in enumerate(prompt_token_ids) if len(p) == 0]
+        if empty:
+            raise ValueError(f"prompt(s) {empty[:5]} have no tokens; every prompt needs at least one token")
+
+    def _package(
+        self, prompts: list[list[int]], n: int, results: list[tuple[list[int], list[float], bool]], gen_s: float
+    ) -> RolloutBatch:
+        texts = self.tokenizer.batch_decode([ids for ids, _, _ in results], skip_special_tokens=True)
+        completions = []
+        for row, ((ids, logprobs, stopped), text) in enumerate(zip(results, texts)):
+            reason: FinishReason = "stop" if stopped else "length"
+            completions.append(Completion(row // n, ids, logprobs, reason, text))
+        tokens = sum(len(ids) for ids, _, _ in results)
+        stats = {
+            "rollout/gen_s": gen_s,
+            "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
+            "rollout/generated_tokens": float(tokens),
+        }
+        return RolloutBatch([list(p) for p in prompts], completions, self.weight_version, stats)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits: torch.Tensor = out.logits[:, -1, :].float()
+        return logits
+
+    def _prefill(
+        self, prompts: list[list[int]], counts: list[int], params: SamplingParams, device: torch.device, cache: Any
+    ) -> _DecodeState:
+        """Prefill the distinct prompts (left-padded) once, then repeat each row ``counts`` times."""
+        width = max(len(p) for p in prompts)
+        ids_UK = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask_UK = torch.zeros((len(prompts), width), dtype=torch.long)
+        for u, prompt in enumerate(prompts):
+            ids_UK[u, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask_UK[u, width - len(prompt) :] = 1
+        ids_UK, mask_UK = ids_UK.to(device), mask_UK.to(device)
+        pos_UK = (mask_UK.cumsum(-1) - 1).clamp(min=0)
+        logits_UV = self._forward(ids_UK, mask_UK, pos_UK, cache)
+        rows_B = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(counts, device=device))
+        if rows_B.numel() != len(prompts):
+            cache.batch_select_indices(rows_B)
+        seen_BV = None
+        if params.repetition_penalty != 1.0:
+            hits_UV = torch.zeros_like(logits_UV, dtype=torch.long).scatter_add_(1, ids_UK, mask_UK)
+            seen_BV = (hits_UV > 0)[rows_B]
+        return _DecodeState(
+            torch.arange(rows_B.numel(), device=device), mask_UK[rows_B], pos_UK[rows_B, -1], logits_UV[rows_B], seen_BV
+        )
+
+    def _decode_chunk(
+        self,
+        prompts: list[list[int]],
+        counts: list[int],
+        params: SamplingParams,
+        generator: torch.Generator,
+        device: torch.device,
+    ) -> list[tuple[list[int], list[float], bool]]:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        state = self._prefill(prompts, counts, params, device, cache)
+        rows = state.alive_A.numel()
+        tokens_BT = torch.full((rows, params.max_tokens), -1, dtype=torch.long, device=device)
+        logprobs_BT = torch.zeros((rows, params.max_tokens), dtype=torch.float32, device=device)
+        eos_E = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
+        stopped_B = torch.zeros(rows, dtype=torch.bool, device=device)
+        for step in range(params.max_tokens):
+            next_A, lp_A = sample_tokens(state.logits_AV, params, generator, state.seen_AV)
+            tokens_BT[state.alive_A, step] = next_A
+            logprobs_BT[state.alive_A, step] = lp_A
+            is_eos_A = torch.isin(next_A, eos_E)
+            stopped_B[state.alive_A[is_eos_A]] = True
+            running = int((~is_eos_A).sum())  # one host sync per step decides whether to go on
+            if step + 1 == params.max_tokens or running == 0:
+                break
+            if state.seen_AV is not None:
+                state.seen_AV[torch.arange(next_A.numel(), device=device), next_A] = True
+            if running < next_A.numel():
+                state.keep(~is_eos_A, cache)
+                next_A = next_A[~is_eos_A]
+            state.mask_AK = torch.cat([state.mask_AK, state.mask_AK.new_ones((running, 1))], dim=1)
+            state.pos_A = state.pos_A + 1
+            state.logits_AV = self._forward(next_A[:, None], state.mask_AK, state.pos_A[:, None], cache)
+        return self._collect(tokens_BT, logprobs_BT, stopped_B)
+
+    @staticmethod
+    def _collect(
+        tokens_BT: torch.Tensor, logprobs_BT: torch.Tensor, stopped_B: torch.Tensor
+    ) -> list[tuple[list[int], list[float], bool]]:
+        lengths = (tokens_BT >= 0).sum(-1).tolist()
+        tokens, logprobs, stopped = tokens_BT.tolist(), logprobs_BT.tolist(), stopped_B.tolist()
+        return [(tokens[b][: lengths[b]], logprobs[b][: lengths[b]], stopped[b]) for b in range(len(lengths))]
