@@ -38,12 +38,23 @@ def untied_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: 
 
 @pytest.fixture()
 def eos_model(untied_dir: str):
-    """A model whose LM head carries a bias toward EOS: ~30 % of the mass per step, so some
+    """A model whose LM head carries a bias toward EOS: ~15 % of the mass per step, so some
     completions stop early and some run to the length limit."""
     model = AutoModelForCausalLM.from_pretrained(untied_dir, dtype=torch.float32).eval()
     bias = torch.zeros(model.config.vocab_size)
-    bias[EOS] = 10.0
+    bias[EOS] = 9.0
     model.lm_head.bias = nn.Parameter(bias)
+    return model
+
+
+@pytest.fixture()
+def diverse_model(untied_dir: str):
+    """Untied and with weights scaled up: peaked, prompt-dependent distributions (the default random
+    init with tied embeddings mostly repeats the last input token)."""
+    model = AutoModelForCausalLM.from_pretrained(untied_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
     return model
 
 
@@ -108,22 +119,28 @@ def test_extra_eos_ids_stop_generation(model, tokenizer, prompts) -> None:
     assert all(len(c.token_ids) == 1 and c.finish_reason == "stop" for c in out.completions)
 
 
+@pytest.mark.parametrize("which", ["eos_model", "diverse_model"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampler_logprobs_equal_policy_logprobs(eos_model, tokenizer, prompts, temperature: float) -> None:
-    engine = HFRolloutEngine(eos_model, tokenizer, batch_size=5)  # chunks split a prompt's group
+def test_sampler_logprobs_equal_policy_logprobs(request, which: str, tokenizer, prompts, temperature: float) -> None:
+    model = request.getfixturevalue(which)
+    engine = HFRolloutEngine(model, tokenizer, batch_size=5)  # chunks split a prompt's group
     out = engine.generate(prompts, 3, SamplingParams(max_tokens=8, temperature=temperature, seed=1))
-    expected = _policy_logprobs(eos_model, out, temperature, tokenizer.pad_token_id)
+    if which == "eos_model":
+        assert len({len(c.token_ids) for c in out.completions}) > 1  # ragged rows are exercised
+    expected = _policy_logprobs(model, out, temperature, tokenizer.pad_token_id)
     for c, ref in zip(out.completions, expected):
         torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(ref), atol=2e-5, rtol=1e-5)
 
 
-def test_left_padding_matches_hf_greedy_generate(model, tokenizer, prompts) -> None:
-    """Greedy decoding of a prompt batched with longer ones equals transformers' own generate alone."""
-    engine = HFRolloutEngine(model, tokenizer)
+def test_left_padding_matches_hf_greedy_generate(diverse_model, tokenizer, prompts) -> None:
+    """Greedy decoding of a prompt batched with longer ones equals transformers' own generate alone
+    (this model's output changes when padding is attended, so a wrong mask fails here)."""
+    engine = HFRolloutEngine(diverse_model, tokenizer)
     out = engine.generate(prompts, 1, SamplingParams(max_tokens=6, temperature=0.0))
+    assert len({t for c in out.completions for t in c.token_ids}) > 6  # not a degenerate repeat
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
-            ref = model.generate(
+            ref = diverse_model.generate(
                 torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=EOS, pad_token_id=EOS
             )
         assert out.completions[i].token_ids == ref[0, len(prompt) :].tolist()
@@ -244,7 +261,7 @@ def test_failed_load_poisons_the_engine(model, tokenizer, prompts) -> None:
         engine.generate(prompts, 1, SamplingParams(max_tokens=2, seed=0))
 
     unknown = HFRolloutEngine(model, tokenizer)
-    with pytest.raises(TrainingError, match="no tensor named 'not.a.weight'"):
+    with pytest.raises(TrainingError, match=r"no tensor named 'not\.a\.weight'"):
         unknown.load_weights({"not.a.weight": torch.zeros(1)}, version=5)
 
 

@@ -1,4 +1,4 @@
-"""The ``posttrain`` console script: ``posttrain grpo ...`` and ``posttrain report RUN_DIR``."""
+"""The ``posttrain`` console script: ``grpo``, ``report`` and ``export-hf`` subcommands."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ USAGE = """usage: posttrain COMMAND [ARGS]
 
 commands:
   grpo     train with GRPO (Dr-GRPO, GSPO, DAPO): posttrain grpo --config RECIPE.py [--validate-manifest] [-- k=v ...]
-  report   plot a run's curves to a PNG and print a summary: posttrain report RUN_DIR [--out FILE.png]
+  report     plot a run's curves to a PNG and print a summary: posttrain report RUN_DIR [--out FILE.png]
+  export-hf  write a Hugging Face model directory from a checkpoint: posttrain export-hf CHECKPOINT OUT_DIR
 
 Run `posttrain COMMAND --help` for a command's options."""
 
@@ -48,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return grpo_main(rest)
     if command == "report":
         return report_main(rest)
+    if command == "export-hf":
+        from posttrain.checkpoint.export import export_main
+
+        return export_main(rest)
     print(f"posttrain: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

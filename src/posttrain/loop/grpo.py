@@ -10,21 +10,34 @@ config; the loop itself reads like the algorithm.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from posttrain.algorithm.advantages import group_advantages, group_reward_spread, informative_groups
+from posttrain.checkpoint.provenance import collect_provenance, write_provenance
+from posttrain.checkpoint.rng import capture_rng, restore_rng
+from posttrain.checkpoint.signals import GracefulStop
+from posttrain.checkpoint.store import (
+    CheckpointWriter,
+    TrainingState,
+    check_resume_compatible,
+    load_checkpoint,
+    read_training_state,
+    resolve_resume,
+    resume_identity,
+)
 from posttrain.config.schema import GRPOConfig
 from posttrain.data.base import DataSource, PromptSample
 from posttrain.data.build import build_data_source
 from posttrain.loop.dynamic_sampling import ScoredGroup, collect_dynamic_for, dynamic_sampling_log_line
-from posttrain.loop.run_dir import create_run_dir, write_resolved_config
+from posttrain.loop.run_dir import create_run_dir, job_dir, write_resolved_config
 from posttrain.metrics.sinks import MetricsLogger
 from posttrain.metrics.timers import StepTimer
 from posttrain.models.chat import eos_token_ids, render_prompt_ids
@@ -196,10 +209,25 @@ def rollout_metrics(collected: Collected) -> dict[str, float]:
     return metrics
 
 
-def train(cfg: GRPOConfig, argv: list[str] | None = None) -> Path:
-    """Run GRPO as configured; returns the run directory."""
+@dataclass
+class Run:
+    """Everything one attempt of a run holds."""
+
+    cfg: GRPOConfig
+    run_dir: Path
+    log: MetricsLogger
+    roles: Roles
+    trainer: PolicyTrainer
+    identity: dict[str, Any]
+    tokenizer: Any
+
+
+def start_run(cfg: GRPOConfig, argv: list[str]) -> Run:
+    """Run directory, provenance, sinks, model, data, reward, engine and trainer."""
     run_dir = create_run_dir(cfg)
-    write_resolved_config(run_dir, cfg, {"argv": argv or []})
+    provenance = collect_provenance(argv=argv, attempt_ts=run_dir.name)
+    write_provenance(run_dir, provenance)
+    write_resolved_config(run_dir, cfg, {"argv": argv, "provenance": provenance})
     log = MetricsLogger(
         run_dir,
         tensorboard=cfg.job.tensorboard,
@@ -220,15 +248,70 @@ def train(cfg: GRPOConfig, argv: list[str] | None = None) -> Path:
         f"model {cfg.model.name_or_path}: {params / 1e6:.1f}M parameters on {device} in {dtype} "
         f"(loaded in {time.perf_counter() - t0:.1f}s)"
     )
-    data = build_data_source(cfg.rl.data, cfg.data_seed)
-    reward = get_reward(cfg.rl.reward)
     engine = HFRolloutEngine(
         model, tokenizer, batch_size=cfg.rollout.batch_size, eos_ids=eos_token_ids(tokenizer, model.config)
     )
+    roles = Roles(
+        data=build_data_source(cfg.rl.data, cfg.data_seed),
+        engine=engine,
+        reward=get_reward(cfg.rl.reward),
+        tokenizer=tokenizer,
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    roles = Roles(data=data, engine=engine, reward=reward, tokenizer=tokenizer)
     trainer = PolicyTrainer(model, cfg, pad_id=pad_id, ref_model=build_reference(model, cfg))
-    rl = cfg.rl
+    return Run(cfg, run_dir, log, roles, trainer, resume_identity(cfg), tokenizer)
+
+
+def restore(run: Run) -> int:
+    """Continue from ``rl.resume``'s checkpoint, if any; returns the number of batches already done."""
+    path = resolve_resume(run.cfg.rl.resume, job_dir(run.cfg))
+    if path is None:
+        if run.cfg.rl.resume == "auto":
+            run.log.info("rl.resume=auto: no complete checkpoint of this job yet, starting fresh")
+        return 0
+    check_resume_compatible(read_training_state(path), run.identity, run.cfg.rl.n_mini)
+    trainer = run.trainer
+    state = load_checkpoint(path, trainer.model, trainer.optimizer, trainer.scheduler)
+    trainer.optimizer_step = state.optimizer_step
+    trainer.zero_grad_skips_total = state.zero_grad_skips_total
+    run.roles.data.load_state_dict(state.data_state)
+    engine = cast(HFRolloutEngine, run.roles.engine)
+    engine.load_state_dict(state.engine_state)
+    engine.load_weights(None, version=state.optimizer_step)
+    restore_rng(state.rng)  # last: nothing after this may draw random numbers before step 1
+    copy_metrics_history(path, run.run_dir, state.step)
+    run.log.info(f"resumed from {path}: {state.step} collected batches done, optimizer step {state.optimizer_step}")
+    return state.step
+
+
+def save(run: Run, writer: CheckpointWriter, step: int) -> None:
+    """A checkpoint of everything an exact resume needs."""
+    trainer = run.trainer
+    state = TrainingState(
+        step=step,
+        optimizer_step=trainer.optimizer_step,
+        zero_grad_skips_total=trainer.zero_grad_skips_total,
+        data_state=run.roles.data.state_dict(),
+        engine_state=cast(HFRolloutEngine, run.roles.engine).state_dict(),
+        rng=capture_rng(),
+        identity=run.identity,
+    )
+    path = writer.save(step, trainer.model, trainer.optimizer, trainer.scheduler, state, tokenizer=run.tokenizer)
+    run.log.info(f"checkpoint: {path}")
+
+
+def train(cfg: GRPOConfig, argv: list[str] | None = None) -> Path:
+    """Run GRPO as configured; returns the run directory."""
+    run = start_run(cfg, argv or [])
+    rl, log, trainer, roles = cfg.rl, run.log, run.trainer, run.roles
+    writer = CheckpointWriter(
+        run.run_dir / "checkpoints",
+        fmt=rl.checkpoint_format,
+        keep_model_last=rl.keep_model_last,
+        keep_optim_last=rl.keep_optim_last,
+        async_save=rl.save_async,
+    )
+    done = restore(run)
     log.info(
         f"GRPO ({cfg.algorithm}): {rl.max_steps} steps x {rl.groups_per_step} prompts x {rl.group_size} "
         f"samples, reward={rl.reward}, data={rl.data.kind}, n_mini={rl.n_mini}, lr={rl.optimizer.lr:g}"
@@ -236,22 +319,42 @@ def train(cfg: GRPOConfig, argv: list[str] | None = None) -> Path:
     if quota_line := dynamic_sampling_log_line(rl):
         log.info(quota_line)
     timer = StepTimer()
-    try:
-        for step in range(1, rl.max_steps + 1):
+    step = done
+    with GracefulStop() as stop, writer, log:
+        for step in range(done + 1, rl.max_steps + 1):
             with timer.phase("rollout"):
                 collected, sampling_metrics = collect(cfg, roles)
             with timer.phase("train"):
                 train_metrics = trainer.train_on(to_train_batch(cfg, collected), step)
             with timer.phase("weight_sync"):
-                engine.load_weights(None, version=trainer.optimizer_step)
+                roles.engine.load_weights(None, version=trainer.optimizer_step)
             log.log(step, {**rollout_metrics(collected), **sampling_metrics, **train_metrics, **timer.frame()})
-    finally:
-        log.close()
-    _finish(run_dir, log)
-    return run_dir
+            if stop.requested or (rl.save_every and (step % rl.save_every == 0 or step == rl.max_steps)):
+                save(run, writer, step)
+            if stop.requested:
+                log.info(f"{stop.signal_name}: stopped after step {step} with a checkpoint; resume with rl.resume=auto")
+                break
+    _finish(run.run_dir)
+    return run.run_dir
 
 
-def _finish(run_dir: Path, log: MetricsLogger) -> None:
+def copy_metrics_history(checkpoint: Path, run_dir: Path, upto_step: int) -> None:
+    """Start this attempt's metrics.jsonl with the resumed attempt's frames up to the checkpoint, so
+    every attempt's file holds the run's whole history."""
+    source = checkpoint.parent.parent / "metrics.jsonl"
+    if not source.is_file():
+        return
+    kept = []
+    for line in source.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", upto_step + 1) <= upto_step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the crash that made this resume necessary
+    (run_dir / "metrics.jsonl").write_text("".join(f"{line}\n" for line in kept))
+
+
+def _finish(run_dir: Path) -> None:
     """Best-effort report PNG and summary at the end of a run."""
     try:
         from posttrain.metrics.report import write_report

@@ -91,7 +91,13 @@ def completion_logprobs(
     recompute = torch.is_grad_enabled() and needs_grad
     pieces = []
     for start in range(0, hidden_NH.shape[0], chunk_tokens):
-        args = (hidden_NH[start : start + chunk_tokens], ids_NJ[start : start + chunk_tokens], head, temperature, softcap)
+        args = (
+            hidden_NH[start : start + chunk_tokens],
+            ids_NJ[start : start + chunk_tokens],
+            head,
+            temperature,
+            softcap,
+        )
         if recompute:
             pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
