@@ -51,6 +51,9 @@ class ModelConfig(_Section):
     """Render prompts with the tokenizer's chat template (plain strings become one user message)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    share_prompt_prefix: bool = True
+    """Run each group's prompt once in the policy forward (its KV cache is shared by the group's
+    completions); same gradient as running every prompt + completion, less compute."""
     logprob_chunk_tokens: int = Field(1024, ge=16)
     """Tokens per chunk when computing per-token logprobs; bounds the fp32 [tokens, vocab] buffer."""
 

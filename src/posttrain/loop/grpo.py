@@ -189,6 +189,7 @@ def to_train_batch(cfg: GRPOConfig, collected: Collected) -> TrainBatch:
         advantages_B=collected.advantages_NG.reshape(-1),
         in_loss_B=in_loss,
         sampler_logprobs=[c.logprobs for c in completions],
+        group_size=cfg.rl.group_size,
     )
 
 

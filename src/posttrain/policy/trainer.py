@@ -21,6 +21,7 @@ from posttrain.errors import PosttrainError, TrainingError
 from posttrain.policy.batching import PolicyBatch, build_policy_batch
 from posttrain.policy.logprobs import completion_logprobs
 from posttrain.policy.optim import build_optimizer, build_scheduler
+from posttrain.policy.shared_prefix import GroupedBatch, build_grouped_batch, grouped_completion_logprobs
 
 # How far pi_old may sit from the first mini-batch's own logprobs before the run is stopped: the
 # pass uses the same micro-batch composition, so on a deterministic backend the gap is zero; the
@@ -41,6 +42,7 @@ class TrainBatch:
     advantages_B: torch.Tensor
     in_loss_B: torch.Tensor
     sampler_logprobs: list[list[float]]
+    group_size: int = 1
 
 
 def objective_spec(cfg: GRPOConfig) -> ObjectiveSpec:
@@ -119,13 +121,33 @@ class PolicyTrainer:
         size = self.cfg.rl.mini_batch
         return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
 
+    def _shares_prefix(self, batch: TrainBatch, size: int, mini: list[int]) -> bool:
+        """Whole groups per micro-batch, so each prompt can run once (``model.share_prompt_prefix``)."""
+        g = batch.group_size
+        return (
+            self.cfg.model.share_prompt_prefix and g > 1 and size % g == 0 and mini[0] % g == 0 and len(mini) % g == 0
+        )
+
     def _micro_batches(self, batch: TrainBatch, mini: list[int]) -> list[list[int]]:
-        """Micro-batches of a mini-batch, grouped by length so that little padding is computed."""
+        """Micro-batches of a mini-batch: whole groups when the prompt pass is shared, else rows sorted
+        by length so that little padding is computed."""
         size = self.cfg.rl.micro_batch_per_replica or len(mini)
+        if self._shares_prefix(batch, size, mini):
+            return [mini[i : i + size] for i in range(0, len(mini), size)]
         by_len = sorted(mini, key=lambda i: len(batch.prompt_ids[i]) + len(batch.completion_ids[i]))
         return [by_len[i : i + size] for i in range(0, len(by_len), size)]
 
-    def _policy_batch(self, batch: TrainBatch, rows: list[int]) -> PolicyBatch:
+    def _model_batch(self, batch: TrainBatch, rows: list[int]) -> PolicyBatch | GroupedBatch:
+        g = batch.group_size
+        whole_groups = g > 1 and len(rows) % g == 0 and rows == list(range(rows[0], rows[0] + len(rows)))
+        if self.cfg.model.share_prompt_prefix and whole_groups and rows[0] % g == 0:
+            return build_grouped_batch(
+                [batch.prompt_ids[i] for i in rows[::g]],
+                [batch.completion_ids[i] for i in rows],
+                group_size=g,
+                pad_id=self.pad_id,
+                device=self.device,
+            )
         return build_policy_batch(
             [batch.prompt_ids[i] for i in rows],
             [batch.completion_ids[i] for i in rows],
@@ -133,10 +155,11 @@ class PolicyTrainer:
             device=self.device,
         )
 
-    def _logprobs(self, model: nn.Module, pb: PolicyBatch) -> torch.Tensor:
-        out = completion_logprobs(
-            model, pb, temperature=self.cfg.rl.temperature, chunk_tokens=self.cfg.model.logprob_chunk_tokens
-        )
+    def _logprobs(self, model: nn.Module, mb: PolicyBatch | GroupedBatch) -> torch.Tensor:
+        temperature, chunk = self.cfg.rl.temperature, self.cfg.model.logprob_chunk_tokens
+        if isinstance(mb, GroupedBatch):
+            return grouped_completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk)
+        out = completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk)
         return out if isinstance(out, torch.Tensor) else out[0]
 
     # -- passes --------------------------------------------------------------------------------
@@ -154,14 +177,14 @@ class PolicyTrainer:
         self.model.train()  # same mode as the update pass, so the probe compares like with like
         for mini in self._mini_batches(len(batch.completion_ids)):
             for rows in self._micro_batches(batch, mini):
-                logprobs_BT = self._logprobs(self.model, self._policy_batch(batch, rows))
+                logprobs_BT = self._logprobs(self.model, self._model_batch(batch, rows))
                 for j, i in enumerate(rows):
                     old[i] = logprobs_BT[j, : len(batch.completion_ids[i])].float()
         self.model.train(was_training)
         return [t for t in old if t is not None]
 
     def _loss_inputs(
-        self, batch: TrainBatch, rows: list[int], pb: PolicyBatch, old: list[torch.Tensor] | None
+        self, batch: TrainBatch, rows: list[int], pb: PolicyBatch | GroupedBatch, old: list[torch.Tensor] | None
     ) -> LossInputs:
         logprobs_BT = self._logprobs(self.model, pb)
         width = logprobs_BT.shape[1]
@@ -210,7 +233,7 @@ class PolicyTrainer:
             norm = LossNormalizer(num_tokens=(lengths * in_loss).sum(), num_seqs=in_loss.sum())
             loss_sum = torch.zeros((), device=self.device)
             for rows in self._micro_batches(batch, mini):
-                pb = self._policy_batch(batch, rows)
+                pb = self._model_batch(batch, rows)
                 inputs = self._loss_inputs(batch, rows, pb, old)
                 if probe:
                     self._probe(inputs, step)

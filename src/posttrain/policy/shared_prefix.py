@@ -1,0 +1,107 @@
+"""Completion logprobs with each group's prompt run once.
+
+In GRPO the ``group_size`` completions of a prompt share that prompt. The plain path runs
+``prompt + completion`` for every completion, so on short completions most of the forward and
+backward work is the same prompt, repeated ``group_size`` times. Here the body runs each distinct
+prompt once (left-padded, with the KV cache on), the cache is repeated per completion, and the
+completions run on top of it. Autograd flows through the repeated cache back into the single prompt
+pass, so the gradient is the same as the plain path's (the prompt's contribution arrives summed
+over the group instead of computed ``group_size`` times); the values agree to float rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from posttrain.policy.logprobs import _chunk_logprobs, split_body_and_head
+
+
+@dataclass
+class GroupedBatch:
+    """``N`` prompts, left-padded to one width, and their ``N * G`` completions, right-padded."""
+
+    prompt_ids_NP: Tensor
+    prompt_mask_NP: Tensor
+    completion_ids_BT: Tensor
+    completion_mask_BT: Tensor
+    group_size: int
+
+
+def build_grouped_batch(
+    prompt_ids: list[list[int]], completion_ids: list[list[int]], *, group_size: int, pad_id: int, device: Any
+) -> GroupedBatch:
+    """``prompt_ids[i]`` is shared by ``completion_ids[i * G : (i + 1) * G]``."""
+    if len(completion_ids) != len(prompt_ids) * group_size:
+        raise ValueError(f"{len(prompt_ids)} prompts x group {group_size} != {len(completion_ids)} completions")
+    width_p = max(len(p) for p in prompt_ids)
+    width_t = max([1, *(len(c) for c in completion_ids)])
+    prompt_NP = torch.full((len(prompt_ids), width_p), pad_id, dtype=torch.long)
+    pmask_NP = torch.zeros_like(prompt_NP)
+    for i, p in enumerate(prompt_ids):
+        prompt_NP[i, width_p - len(p) :] = torch.tensor(p, dtype=torch.long)
+        pmask_NP[i, width_p - len(p) :] = 1
+    comp_BT = torch.full((len(completion_ids), width_t), pad_id, dtype=torch.long)
+    cmask_BT = torch.zeros((len(completion_ids), width_t), dtype=torch.float32)
+    for b, c in enumerate(completion_ids):
+        comp_BT[b, : len(c)] = torch.tensor(c, dtype=torch.long)
+        cmask_BT[b, : len(c)] = 1.0
+    return GroupedBatch(prompt_NP.to(device), pmask_NP.to(device), comp_BT.to(device), cmask_BT.to(device), group_size)
+
+
+def grouped_completion_logprobs(
+    model: Any, batch: GroupedBatch, *, temperature: float = 1.0, chunk_tokens: int = 1024
+) -> Tensor:
+    """``logprobs_BT`` exactly as ``completion_logprobs`` defines them, one prompt pass per group."""
+    body, head = split_body_and_head(model)
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    g = batch.group_size
+    prompt_pos_NP = (batch.prompt_mask_NP.cumsum(-1) - 1).clamp(min=0)
+    prompt_out = body(
+        input_ids=batch.prompt_ids_NP,
+        attention_mask=batch.prompt_mask_NP,
+        position_ids=prompt_pos_NP,
+        use_cache=True,
+    )
+    cache = prompt_out.past_key_values
+    cache.batch_repeat_interleave(g)
+    last_prompt_BH = prompt_out.last_hidden_state[:, -1].repeat_interleave(g, dim=0)
+
+    width_t = batch.completion_ids_BT.shape[1]
+    prompt_len_B1 = batch.prompt_mask_NP.sum(-1, keepdim=True).repeat_interleave(g, dim=0)
+    comp_pos_BT = prompt_len_B1 + torch.arange(width_t, device=prompt_len_B1.device)
+    # Padding after a completion is masked out; real tokens never look past themselves anyway.
+    full_mask = torch.cat(
+        [batch.prompt_mask_NP.repeat_interleave(g, dim=0), batch.completion_mask_BT.long().clamp(min=0)], dim=1
+    )
+    full_mask[:, batch.prompt_mask_NP.shape[1] :] = 1
+    comp_out = body(
+        input_ids=batch.completion_ids_BT,
+        attention_mask=full_mask,
+        position_ids=comp_pos_BT,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    # Token t is predicted by the state before it: the prompt's last state for t = 0.
+    predict_BTH = torch.cat([last_prompt_BH[:, None], comp_out.last_hidden_state[:, :-1]], dim=1)
+    b_N, t_N = (batch.completion_mask_BT > 0).nonzero(as_tuple=True)
+    hidden_NH = predict_BTH[b_N, t_N]
+    ids_N1 = batch.completion_ids_BT[b_N, t_N].unsqueeze(-1)
+    recompute = torch.is_grad_enabled() and hidden_NH.requires_grad
+    pieces = []
+    for start in range(0, hidden_NH.shape[0], chunk_tokens):
+        args = (
+            hidden_NH[start : start + chunk_tokens],
+            ids_N1[start : start + chunk_tokens],
+            head,
+            temperature,
+            softcap,
+        )
+        pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args))
+    out_N = torch.cat(pieces)[:, 0] if pieces else hidden_NH.new_zeros(0, dtype=torch.float32)
+    rows = batch.completion_ids_BT.shape[0]
+    return out_N.new_zeros((rows, width_t)).index_put((b_N, t_N), out_N)

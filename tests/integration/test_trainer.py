@@ -1,0 +1,121 @@
+"""The policy update on a tiny model: the shared-prompt pass, micro-batch invariance, mini-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from posttrain.config.loading import build_config
+from posttrain.errors import TrainingError
+from posttrain.policy.batching import build_policy_batch
+from posttrain.policy.logprobs import completion_logprobs
+from posttrain.policy.shared_prefix import build_grouped_batch, grouped_completion_logprobs
+from posttrain.policy.trainer import PolicyTrainer, TrainBatch
+
+G = 4
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19], [20, 21]]
+LENGTHS = [3, 5, 1, 4, 6, 2, 2, 3, 5, 5, 1, 2, 4, 4, 4, 7]
+
+
+def _completions() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(30, 900, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def _batch() -> TrainBatch:
+    comps = _completions()
+    adv = torch.linspace(-1.5, 1.5, len(comps))
+    return TrainBatch(
+        prompt_ids=[p for p in PROMPTS for _ in range(G)],
+        completion_ids=comps,
+        advantages_B=adv,
+        in_loss_B=torch.ones(len(comps), dtype=torch.bool),
+        sampler_logprobs=[[-1.0] * len(c) for c in comps],
+        group_size=G,
+    )
+
+
+def _load(model_dir: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def test_shared_prompt_pass_matches_plain_pass(tiny_model_dir: str) -> None:
+    model = _load(tiny_model_dir)
+    comps = _completions()
+    grouped = build_grouped_batch(PROMPTS, comps, group_size=G, pad_id=2, device="cpu")
+    plain = build_policy_batch([p for p in PROMPTS for _ in range(G)], comps, pad_id=2, device="cpu")
+    a = grouped_completion_logprobs(model, grouped, temperature=0.7)
+    b = completion_logprobs(model, plain, temperature=0.7)
+    assert isinstance(b, torch.Tensor)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert torch.equal(a == 0, plain.completion_mask_BT == 0)
+    a.sum().backward()
+    grads_a = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    b.sum().backward()
+    for ga, p in zip(grads_a, model.parameters()):
+        torch.testing.assert_close(ga, p.grad, atol=1e-4, rtol=1e-4)
+
+
+def _trained_params(model_dir: str, overrides: list[str]) -> tuple[list[torch.Tensor], dict[str, float]]:
+    torch.manual_seed(0)
+    cfg = build_config(None, ["rl.batch_per_replica=16", "rl.group_size=4", "rl.optimizer.lr=1e-3", *overrides])
+    model = _load(model_dir)
+    trainer = PolicyTrainer(model, cfg, pad_id=2)
+    metrics = trainer.train_on(_batch(), step=1)
+    return [p.detach().clone() for p in model.parameters()], metrics
+
+
+@pytest.mark.parametrize("loss_type", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-fixed"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_micro_batches_and_prefix_sharing_do_not_change_the_update(
+    tiny_model_dir: str, loss_type: str, level: str
+) -> None:
+    common = [f"rl.loss_type={loss_type}", f"rl.importance_sampling_level={level}"]
+    reference, ref_metrics = _trained_params(tiny_model_dir, [*common, "model.share_prompt_prefix=false"])
+    for extra in (["rl.micro_batch_per_replica=4"], ["rl.micro_batch_per_replica=8"], ["rl.micro_batch_per_replica=2"]):
+        params, metrics = _trained_params(tiny_model_dir, [*common, *extra])
+        for a, b in zip(reference, params):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+        assert metrics["train/loss_avg"] == pytest.approx(ref_metrics["train/loss_avg"], abs=1e-5)
+        assert metrics["train/clip_frac"] == 0.0
+
+
+def test_mini_batches_take_several_steps_and_pass_the_probe(tiny_model_dir: str) -> None:
+    _, metrics = _trained_params(tiny_model_dir, ["rl.mini_batch_per_replica=8", "rl.epsilon_high=0.01"])
+    assert metrics["optim/step"] == 2.0
+    assert metrics["train/clip_frac"] > 0.0  # the second mini-batch sees a moved policy
+
+
+def test_probe_fails_with_live_dropout(tiny_model_dir: str) -> None:
+    cfg = build_config(None, ["rl.batch_per_replica=16", "rl.group_size=4", "rl.mini_batch_per_replica=8"])
+    model = _load(tiny_model_dir)
+    # dropout in train mode makes two forwards of the same batch differ: the probe must catch it
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    trainer = PolicyTrainer(model, cfg, pad_id=2)
+    with pytest.raises(TrainingError, match="determinism probe failed"):
+        trainer.train_on(_batch(), step=3)
+
+
+def test_zero_advantages_skip_the_update(tiny_model_dir: str) -> None:
+    cfg = build_config(None, ["rl.batch_per_replica=16", "rl.group_size=4"])
+    model = _load(tiny_model_dir)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = PolicyTrainer(model, cfg, pad_id=2)
+    batch = _batch()
+    batch.advantages_B = torch.zeros_like(batch.advantages_B)
+    metrics = trainer.train_on(batch, step=1)
+    assert metrics["optim/zero_grad_skips_total"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_non_finite_gradient_is_fatal_and_names_the_parameter(tiny_model_dir: str) -> None:
+    cfg = build_config(None, ["rl.batch_per_replica=16", "rl.group_size=4"])
+    model = _load(tiny_model_dir)
+    trainer = PolicyTrainer(model, cfg, pad_id=2)
+    batch = _batch()
+    batch.advantages_B[0] = float("inf")
+    with pytest.raises(TrainingError, match=r"step 7: non-finite gradient .* parameter"):
+        trainer.train_on(batch, step=7)
