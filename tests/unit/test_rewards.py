@@ -23,7 +23,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "data"
 if str(FIXTURES) not in sys.path:
     sys.path.insert(0, str(FIXTURES))
 
-BUILTINS = ["arithmetic", "constant", "countdown", "exact_match", "gsm8k", "nonempty"]
+BUILTINS = ["arithmetic", "arithmetic_first", "constant", "countdown", "exact_match", "gsm8k", "nonempty"]
 
 
 def score(name: str, completion: str, ground_truth: object = None) -> float:
@@ -60,6 +60,25 @@ def score(name: str, completion: str, ground_truth: object = None) -> float:
 )
 def test_arithmetic_reads_the_last_number(completion: str, truth: object, expected: float) -> None:
     assert score("arithmetic", completion, truth) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "truth", "expected"),
+    [
+        ("42", 42, 1.0),
+        ("42.", 42, 1.0),
+        ("The answer is 42.", 42, 1.0),
+        ("13 + 29 = 42", 42, 0.0),  # restating the question first is not answering
+        ("42, or maybe 43", 42, 1.0),
+        ("-7", -7, 1.0),
+        ("It costs 1,234 dollars", 1234, 1.0),
+        ("3.50 exactly", 3.5, 1.0),
+        ("I don't know", 4, 0.0),
+        ("", 4, 0.0),
+    ],
+)
+def test_arithmetic_first_reads_the_first_number(completion: str, truth: object, expected: float) -> None:
+    assert score("arithmetic_first", completion, truth) == expected
 
 
 @pytest.mark.parametrize("truth", ["forty-two", True, [4], {"a": 1}, float("nan"), "nan"])

@@ -183,3 +183,22 @@ def build_config(recipe: str | None, override_items: Iterable[str] = ()) -> GRPO
     config = load_recipe(recipe)
     overrides = parse_overrides(override_items)
     return apply_overrides(config, overrides) if overrides else config
+
+
+def build_config_best_effort(recipe: str | None, override_items: Iterable[str]) -> GRPOConfig | None:
+    """The recipe with every override that is valid on its own applied, skipping the rest.
+
+    ``--validate-manifest`` uses it after an invalid override so that the model-free checks still
+    run on everything else and every problem is reported in one pass.
+    """
+    try:
+        config = load_recipe(recipe)
+        overrides = parse_overrides(override_items)
+    except ConfigError:
+        return None
+    for item in overrides:
+        try:
+            config = apply_overrides(config, [item])
+        except ConfigError:
+            continue
+    return config

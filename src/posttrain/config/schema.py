@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+ArithmeticOp = Literal["+", "-", "*"]
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
@@ -110,7 +112,7 @@ class DataConfig(_Section):
     """Arithmetic generator: smallest operand."""
     arithmetic_max: int = 20
     """Arithmetic generator: largest operand."""
-    arithmetic_ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    arithmetic_ops: list[ArithmeticOp] = Field(default_factory=lambda: list[ArithmeticOp](["+"]))
     """Arithmetic generator: operators to draw from."""
     arithmetic_template: str = "What is {a} {op} {b}? Reply with only the number."
     """Arithmetic generator: the question, with ``{a}``, ``{op}`` and ``{b}`` filled in."""
@@ -228,7 +230,7 @@ class RLConfig(_Section):
     data_seed_follows_rollout_seed: bool = False
     """Order prompts with ``rollout.seed`` instead of ``rl.seed``."""
     reward: str = "arithmetic"
-    """Reward name (``arithmetic``, ``exact_match``, ``gsm8k``, ``countdown``, ``nonempty``,
+    """Reward name (``arithmetic``, ``arithmetic_first``, ``exact_match``, ``gsm8k``, ``countdown``, ``nonempty``,
     ``constant``) or a ``module:function`` import path."""
     data: DataConfig = Field(default_factory=DataConfig)
     """The prompt source."""

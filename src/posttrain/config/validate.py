@@ -84,6 +84,12 @@ def check_objective(cfg: GRPOConfig, out: Findings) -> None:
             out.errors.append("rl.ref.model_dir is set but rl.ref.build_ref=false: the reference is never built")
         check_model_path("rl.ref.model_dir", rl.ref.model_dir, out)
     check_rollout_logprob_modes(cfg, out)
+    sc = rl.score_centering
+    if sc.compose != "none" and not sc.enabled:
+        out.errors.append(
+            f"rl.score_centering.compose={sc.compose} needs rl.score_centering.enabled=true "
+            "(TIS / MIS are composed with score centering); enable it or set compose=none"
+        )
     if rl.temperature != ro.temperature and not rl.use_rollout_logprobs_for_loss:
         out.warnings.append(
             f"rl.temperature={rl.temperature} differs from rollout.temperature={ro.temperature}: "
@@ -171,11 +177,6 @@ def check_rollout_backend(cfg: GRPOConfig, out: Findings) -> None:
             )
         else:
             out.errors.append("rollout.backend=vllm is not implemented in this version; use rollout.backend=hf")
-    if cfg.rl.score_centering.enabled:
-        out.errors.append(
-            "rl.score_centering.enabled=true needs the rollout's top-k head per token, which only the vLLM "
-            "engine returns; it is not available with rollout.backend=hf"
-        )
     if cfg.rl.weight_sync_transport != "inprocess":
         out.errors.append(
             f"rl.weight_sync_transport={cfg.rl.weight_sync_transport} applies to disaggregated Ray runs, "
@@ -252,3 +253,24 @@ def preflight(cfg: GRPOConfig) -> Findings:
     for check in CHECKS:
         check(cfg, findings)
     return findings
+
+
+def opd_rejections(cfg: GRPOConfig) -> list[str]:
+    """GRPO knobs an on-policy distillation run must refuse (the OPD entry point applies this).
+
+    Distillation trains on every trajectory whatever its reward spread, so dynamic sampling has
+    nothing to select; the teacher signal is per token, so the ratio stays per token.
+    """
+    rl = cfg.rl
+    problems = []
+    for key in ("min_informative_groups", "min_informative_groups_frac"):
+        if getattr(rl, key) is not None:
+            problems.append(
+                f"rl.{key}={getattr(rl, key)}: dynamic sampling is GRPO-only; on-policy distillation trains on "
+                "every trajectory regardless of reward spread. Remove the knob"
+            )
+    if rl.importance_sampling_level != "token":
+        problems.append(
+            f"rl.importance_sampling_level={rl.importance_sampling_level}: on-policy distillation needs token"
+        )
+    return problems

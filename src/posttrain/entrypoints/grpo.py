@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from posttrain.errors import ConfigError, PosttrainError
+
+if TYPE_CHECKING:
+    from posttrain.config.schema import GRPOConfig
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -48,20 +52,24 @@ def build_parser(prog: str = "posttrain grpo") -> argparse.ArgumentParser:
 
 def validate_manifest(config_arg: str | None, overrides: list[str]) -> int:
     """Print every problem of the recipe; 0 when it is valid."""
-    from posttrain.config.loading import build_config
+    from posttrain.config.loading import build_config, build_config_best_effort
     from posttrain.config.validate import preflight
 
+    problems: list[str] = []
+    cfg: GRPOConfig | None
     try:
         cfg = build_config(config_arg, overrides)
     except ConfigError as exc:
-        print(f"manifest INVALID: {exc}", file=sys.stderr)
-        return 1
-    findings = preflight(cfg)
-    for warning in findings.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    if findings.errors:
-        print(f"manifest INVALID ({len(findings.errors)} problem(s)):", file=sys.stderr)
-        for problem in findings.errors:
+        problems = list(exc.problems)
+        cfg = build_config_best_effort(config_arg, overrides)
+    if cfg is not None:
+        findings = preflight(cfg)
+        for warning in findings.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        problems += findings.errors
+    if problems or cfg is None:
+        print(f"manifest INVALID ({len(problems)} problem(s)):", file=sys.stderr)
+        for problem in problems:
             print(f"  - {problem}", file=sys.stderr)
         return 1
     rl = cfg.rl

@@ -40,7 +40,7 @@ from posttrain.loop.dynamic_sampling import ScoredGroup, collect_dynamic_for, dy
 from posttrain.loop.run_dir import create_run_dir, job_dir, write_resolved_config
 from posttrain.metrics.sinks import MetricsLogger
 from posttrain.metrics.timers import StepTimer
-from posttrain.models.chat import eos_token_ids, render_prompt_ids
+from posttrain.models.chat import render_prompt_ids
 from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.policy.trainer import PolicyTrainer, TrainBatch, build_reference
 from posttrain.rewards.base import Reward, RewardInput
@@ -77,8 +77,9 @@ def seed_everything(seed: int) -> None:
 
 
 def sampling_params(cfg: GRPOConfig) -> SamplingParams:
-    """The rollout section as engine sampling controls."""
-    ro = cfg.rollout
+    """The rollout section as engine sampling controls; score centering asks for the sampler's
+    top-k head per generated token."""
+    ro, sc = cfg.rollout, cfg.rl.score_centering
     return SamplingParams(
         max_tokens=ro.max_tokens,
         temperature=ro.temperature,
@@ -86,6 +87,7 @@ def sampling_params(cfg: GRPOConfig) -> SamplingParams:
         top_k=ro.top_k,
         repetition_penalty=ro.repetition_penalty,
         seed=ro.seed,
+        logprobs_topk=sc.top_k if sc.enabled else 0,
     )
 
 
@@ -183,6 +185,7 @@ def to_train_batch(cfg: GRPOConfig, collected: Collected) -> TrainBatch:
     completions = collected.rollout.completions
     truncated = torch.tensor([c.finish_reason == "length" for c in completions])
     in_loss = ~truncated if cfg.rl.mask_truncated_completions else torch.ones_like(truncated)
+    heads = cfg.rl.score_centering.enabled
     return TrainBatch(
         prompt_ids=[collected.rollout.prompt_token_ids[c.prompt_index] for c in completions],
         completion_ids=[c.token_ids for c in completions],
@@ -190,6 +193,8 @@ def to_train_batch(cfg: GRPOConfig, collected: Collected) -> TrainBatch:
         in_loss_B=in_loss,
         sampler_logprobs=[c.logprobs for c in completions],
         group_size=cfg.rl.group_size,
+        head_ids=[c.extra["head_ids"] for c in completions] if heads else None,
+        head_logprobs=[c.extra["head_logprobs"] for c in completions] if heads else None,
     )
 
 
@@ -249,9 +254,7 @@ def start_run(cfg: GRPOConfig, argv: list[str]) -> Run:
         f"model {cfg.model.name_or_path}: {params / 1e6:.1f}M parameters on {device} in {dtype} "
         f"(loaded in {time.perf_counter() - t0:.1f}s)"
     )
-    engine = HFRolloutEngine(
-        model, tokenizer, batch_size=cfg.rollout.batch_size, eos_ids=eos_token_ids(tokenizer, model.config)
-    )
+    engine = HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
     roles = Roles(
         data=build_data_source(cfg.rl.data, cfg.data_seed),
         engine=engine,

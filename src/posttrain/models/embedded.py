@@ -104,6 +104,14 @@ def _is_complete(target: Path, fingerprint: dict[str, object]) -> bool:
         return False
 
 
+def _has_complete_cache(target: Path) -> bool:
+    try:
+        marker = json.loads((target / _COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("format") == _FORMAT_VERSION
+
+
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
     """An exclusive inter-process lock (``flock``); a no-op where ``fcntl`` does not exist."""
@@ -154,7 +162,12 @@ def embedded_model_dir(name: str = EMBEDDED_SMOLLM2, *, cache_root: str | None =
     spec = _lookup(name)
     models_dir = (Path(cache_root).expanduser() if cache_root else default_cache_root()) / "models"
     target = models_dir / spec.cache_name
-    gguf = find_gguf(name)
+    try:
+        gguf = find_gguf(name)
+    except PosttrainError:
+        if _has_complete_cache(target):  # the package is gone but its conversion is still here
+            return str(target)
+        raise
     fingerprint = _fingerprint(gguf)
     if _is_complete(target, fingerprint):
         return str(target)
@@ -164,6 +177,9 @@ def embedded_model_dir(name: str = EMBEDDED_SMOLLM2, *, cache_root: str | None =
         # Another process may have finished the conversion while this one waited for the lock.
         if _is_complete(target, fingerprint):
             return str(target)
+        # Conversions only run under this lock, so a temp dir seen now was left by a dead process.
+        for stale in models_dir.glob(f".{spec.cache_name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         print(f"posttrain: converting {gguf.name} into {target} (once per machine, ~20 s)", flush=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{spec.cache_name}.tmp-", dir=models_dir))
         try:

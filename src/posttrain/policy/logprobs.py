@@ -49,6 +49,37 @@ def _chunk_logprobs(
     return logits_CV.gather(-1, ids_CJ) - lse_C1
 
 
+def chunked_head_logprobs(
+    hidden_NH: Tensor,
+    ids_NJ: Tensor,
+    head: nn.Module,
+    *,
+    temperature: float,
+    softcap: float | None,
+    chunk_tokens: int,
+) -> Tensor:
+    """``out_NJ[n, j] = log p(ids_NJ[n, j])`` under the head applied to ``hidden_NH[n]``, ``chunk_tokens``
+    rows at a time; under autograd each chunk is checkpointed, so backward recomputes its logits."""
+    needs_grad = hidden_NH.requires_grad or any(p.requires_grad for p in head.parameters())
+    recompute = torch.is_grad_enabled() and needs_grad
+    pieces = []
+    for start in range(0, hidden_NH.shape[0], chunk_tokens):
+        args = (
+            hidden_NH[start : start + chunk_tokens],
+            ids_NJ[start : start + chunk_tokens],
+            head,
+            temperature,
+            softcap,
+        )
+        if recompute:
+            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(*args))
+    if not pieces:
+        return hidden_NH.new_zeros((0, ids_NJ.shape[1]), dtype=torch.float32)
+    return torch.cat(pieces)
+
+
 def _hidden_states(body: nn.Module, batch: PolicyBatch) -> Tensor:
     # Rows are right-padded, so the causal mask alone keeps every real token from seeing padding;
     # skipping the padding mask lets SDPA use its plain causal kernel (padded rows' outputs are
@@ -87,22 +118,9 @@ def completion_logprobs(
     if head_ids_BTK is not None:
         ids_NJ = torch.cat([ids_NJ, head_ids_BTK[b_N, t_N].long()], dim=-1)
 
-    needs_grad = hidden_NH.requires_grad or any(p.requires_grad for p in head.parameters())
-    recompute = torch.is_grad_enabled() and needs_grad
-    pieces = []
-    for start in range(0, hidden_NH.shape[0], chunk_tokens):
-        args = (
-            hidden_NH[start : start + chunk_tokens],
-            ids_NJ[start : start + chunk_tokens],
-            head,
-            temperature,
-            softcap,
-        )
-        if recompute:
-            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(*args))
-    out_NJ = torch.cat(pieces) if pieces else hidden_NH.new_zeros((0, ids_NJ.shape[1]), dtype=torch.float32)
+    out_NJ = chunked_head_logprobs(
+        hidden_NH, ids_NJ, head, temperature=temperature, softcap=softcap, chunk_tokens=chunk_tokens
+    )
 
     logprobs_BT = out_NJ.new_zeros((rows, width)).index_put((b_N, t_N), out_NJ[:, 0])
     if head_ids_BTK is None:

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-from posttrain.policy.logprobs import _chunk_logprobs, split_body_and_head
+from posttrain.policy.logprobs import chunked_head_logprobs, split_body_and_head
 
 
 @dataclass
@@ -91,17 +90,8 @@ def grouped_completion_logprobs(
     b_N, t_N = (batch.completion_mask_BT > 0).nonzero(as_tuple=True)
     hidden_NH = predict_BTH[b_N, t_N]
     ids_N1 = batch.completion_ids_BT[b_N, t_N].unsqueeze(-1)
-    recompute = torch.is_grad_enabled() and hidden_NH.requires_grad
-    pieces = []
-    for start in range(0, hidden_NH.shape[0], chunk_tokens):
-        args = (
-            hidden_NH[start : start + chunk_tokens],
-            ids_N1[start : start + chunk_tokens],
-            head,
-            temperature,
-            softcap,
-        )
-        pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args))
-    out_N = torch.cat(pieces)[:, 0] if pieces else hidden_NH.new_zeros(0, dtype=torch.float32)
+    out_N = chunked_head_logprobs(
+        hidden_NH, ids_N1, head, temperature=temperature, softcap=softcap, chunk_tokens=chunk_tokens
+    )[:, 0]
     rows = batch.completion_ids_BT.shape[0]
     return out_N.new_zeros((rows, width_t)).index_put((b_N, t_N), out_N)

@@ -35,6 +35,8 @@ class TrainBatch:
 
     ``in_loss_B`` is False for completions removed from the loss (truncated ones under
     ``rl.mask_truncated_completions``); their advantages were still computed with the whole group.
+    ``head_ids`` / ``head_logprobs`` (score centering only) hold the sampler's top-k head: per
+    completion, per generated token, K ids and their sampler logprobs.
     """
 
     prompt_ids: list[list[int]]
@@ -43,6 +45,8 @@ class TrainBatch:
     in_loss_B: torch.Tensor
     sampler_logprobs: list[list[float]]
     group_size: int = 1
+    head_ids: list[list[list[int]]] | None = None
+    head_logprobs: list[list[list[float]]] | None = None
 
 
 def objective_spec(cfg: GRPOConfig) -> ObjectiveSpec:
@@ -67,6 +71,7 @@ def build_reference(policy: nn.Module, cfg: GRPOConfig) -> nn.Module | None:
     """A frozen copy of the initial policy (or of ``rl.ref.model_dir``) when the KL term needs one."""
     if cfg.rl.kl_beta <= 0 and not cfg.rl.ref.build_ref:
         return None
+    ref: nn.Module
     if cfg.rl.ref.model_dir is not None:
         from posttrain.models.loading import load_model_and_tokenizer
 
@@ -121,12 +126,15 @@ class PolicyTrainer:
         size = self.cfg.rl.mini_batch
         return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
 
+    def _prefix_sharing(self) -> bool:
+        """``model.share_prompt_prefix``, except under score centering: the policy's logprobs at the
+        sampler's head come from the plain path only."""
+        return self.cfg.model.share_prompt_prefix and not self.spec.score_centering
+
     def _shares_prefix(self, batch: TrainBatch, size: int, mini: list[int]) -> bool:
         """Whole groups per micro-batch, so each prompt can run once (``model.share_prompt_prefix``)."""
         g = batch.group_size
-        return (
-            self.cfg.model.share_prompt_prefix and g > 1 and size % g == 0 and mini[0] % g == 0 and len(mini) % g == 0
-        )
+        return self._prefix_sharing() and g > 1 and size % g == 0 and mini[0] % g == 0 and len(mini) % g == 0
 
     def _micro_batches(self, batch: TrainBatch, mini: list[int]) -> list[list[int]]:
         """Micro-batches of a mini-batch: whole groups when the prompt pass is shared, else rows sorted
@@ -140,7 +148,7 @@ class PolicyTrainer:
     def _model_batch(self, batch: TrainBatch, rows: list[int]) -> PolicyBatch | GroupedBatch:
         g = batch.group_size
         whole_groups = g > 1 and len(rows) % g == 0 and rows == list(range(rows[0], rows[0] + len(rows)))
-        if self.cfg.model.share_prompt_prefix and whole_groups and rows[0] % g == 0:
+        if self._prefix_sharing() and whole_groups and rows[0] % g == 0:
             return build_grouped_batch(
                 [batch.prompt_ids[i] for i in rows[::g]],
                 [batch.completion_ids[i] for i in rows],
@@ -183,10 +191,63 @@ class PolicyTrainer:
         self.model.train(was_training)
         return [t for t in old if t is not None]
 
+    def _sampler_head(self, batch: TrainBatch, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampler's top-k head of ``rows`` padded to ``width`` tokens: ids ``[B, T, K]`` (-1 on
+        padding) and their sampler logprobs (-inf on padding, which marks the entry invalid)."""
+        if batch.head_ids is None or batch.head_logprobs is None:
+            raise TrainingError(
+                "rl.score_centering.enabled=true but the rollout returned no top-k head per token "
+                "(the engine must honour SamplingParams.logprobs_topk)"
+            )
+        k = max((len(tok) for i in rows for tok in batch.head_ids[i]), default=1)
+        ids_BTK = torch.full((len(rows), width, k), -1, dtype=torch.long)
+        logprobs_BTK = torch.full((len(rows), width, k), float("-inf"), dtype=torch.float32)
+        for j, i in enumerate(rows):
+            n = len(batch.completion_ids[i])
+            if len(batch.head_ids[i]) != n or len(batch.head_logprobs[i]) != n:
+                raise TrainingError(
+                    f"completion {i} has {n} tokens but a sampler head for {len(batch.head_ids[i])}; "
+                    "the rollout engine must return one top-k head per generated token"
+                )
+            if n:
+                ids_tk = torch.tensor(batch.head_ids[i], dtype=torch.long)
+                ids_BTK[j, :n, : ids_tk.shape[1]] = ids_tk
+                logprobs_BTK[j, :n, : ids_tk.shape[1]] = torch.tensor(batch.head_logprobs[i], dtype=torch.float32)
+        return ids_BTK.to(self.device), logprobs_BTK.to(self.device)
+
+    def _logprobs_and_head(
+        self, batch: TrainBatch, rows: list[int], pb: PolicyBatch | GroupedBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Score centering: the current logprobs, plus the sampler's head and the current policy's
+        logprobs at the head ids (with gradient), from one forward on the plain path."""
+        if not isinstance(pb, PolicyBatch):
+            raise TypeError("score centering needs the plain PolicyBatch (see _prefix_sharing)")
+        ids_BTK, sampler_BTK = self._sampler_head(batch, rows, pb.completion_ids_BT.shape[1])
+        out = completion_logprobs(
+            self.model,
+            pb,
+            temperature=self.cfg.rl.temperature,
+            chunk_tokens=self.cfg.model.logprob_chunk_tokens,
+            head_ids_BTK=ids_BTK.clamp(min=0),  # padding ids gather id 0; they stay invalid through ids_BTK
+        )
+        if not isinstance(out, tuple):
+            raise TypeError("completion_logprobs returned no head logprobs")
+        logprobs_BT, policy_BTK = out
+        heads = {
+            "head_ids_BTK": ids_BTK,
+            "head_sampler_logprobs_BTK": sampler_BTK,
+            "head_policy_logprobs_BTK": policy_BTK,
+        }
+        return logprobs_BT, heads
+
     def _loss_inputs(
         self, batch: TrainBatch, rows: list[int], pb: PolicyBatch | GroupedBatch, old: list[torch.Tensor] | None
     ) -> LossInputs:
-        logprobs_BT = self._logprobs(self.model, pb)
+        heads: dict[str, torch.Tensor] = {}
+        if self.spec.score_centering:
+            logprobs_BT, heads = self._logprobs_and_head(batch, rows, pb)
+        else:
+            logprobs_BT = self._logprobs(self.model, pb)
         width = logprobs_BT.shape[1]
         mask_BT = pb.completion_mask_BT.float() * batch.in_loss_B[rows].to(self.device).float()[:, None]
         old_BT = logprobs_BT.detach() if old is None else _pad_rows([old[i] for i in rows], width, self.device)
@@ -204,6 +265,7 @@ class PolicyTrainer:
             mask_BT=mask_BT,
             ref_logprobs_BT=ref_BT,
             sampler_logprobs_BT=sampler_BT,
+            **heads,
         )
 
     def _probe(self, inputs: LossInputs, step: int) -> None:
@@ -276,7 +338,7 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.optimizer_step += 1
-        if not torch.isfinite(torch.stack(torch._foreach_norm(params))).all():
+        if not torch.isfinite(torch.stack(torch._foreach_norm(list[torch.Tensor](params)))).all():
             bad = next((self._param_names[id(p)] for p in params if not torch.isfinite(p).all()), "?")
             raise TrainingError(
                 f"step {step}: the optimizer step produced non-finite weights in parameter {bad} "

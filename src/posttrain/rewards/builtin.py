@@ -68,11 +68,27 @@ def last_number(text: str) -> Decimal | None:
     return _to_decimal(matches[-1]) if matches else None
 
 
+def first_number(text: str) -> Decimal | None:
+    """The first number written in ``text`` (thousands commas dropped), or None when there is none."""
+    match = _NUMBER_RE.search(text)
+    return _to_decimal(match.group(0)) if match else None
+
+
 @register_reward("arithmetic", requires=_NEEDS_ANSWER)
 def arithmetic(sample: RewardInput) -> float:
-    """1.0 when the last number in the completion equals the ground truth numerically."""
+    """1.0 when the last number in the completion equals the ground truth numerically (the answer
+    a completion ends on, after any working)."""
     truth = numeric_ground_truth(_ground_truth(sample, "arithmetic"), "arithmetic")
     answer = last_number(sample.completion)
+    return 1.0 if answer is not None and answer == truth else 0.0
+
+
+@register_reward("arithmetic_first", requires=_NEEDS_ANSWER)
+def arithmetic_first(sample: RewardInput) -> float:
+    """1.0 when the first number in the completion equals the ground truth numerically: the answer
+    given up front, as "Reply with only the number" asks (restating "13 + 14 = 27" scores 0)."""
+    truth = numeric_ground_truth(_ground_truth(sample, "arithmetic_first"), "arithmetic_first")
+    answer = first_number(sample.completion)
     return 1.0 if answer is not None and answer == truth else 0.0
 
 

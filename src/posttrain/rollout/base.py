@@ -18,6 +18,10 @@ class SamplingParams:
     top_k: int = -1
     repetition_penalty: float = 1.0
     seed: int | None = None
+    logprobs_topk: int = 0
+    """When > 0 the engine also returns, per generated token, the top-k ids and logprobs of the
+    distribution it sampled from (``Completion.extra["head_ids"]`` / ``["head_logprobs"]``: one list of
+    k entries per token), the head score centering needs. 0: nothing extra is computed."""
 
 
 @dataclass
@@ -27,7 +31,8 @@ class Completion:
     ``token_ids`` are the generated ids (ending with EOS when ``finish_reason == "stop"``);
     ``logprobs`` holds the sampler's log-probability of each generated token under the
     distribution it sampled from (raw model logits divided by temperature, before top-p/top-k),
-    one float per token.
+    one float per token. ``extra`` holds optional per-token additions, such as the top-k head
+    requested with ``SamplingParams.logprobs_topk``.
     """
 
     prompt_index: int

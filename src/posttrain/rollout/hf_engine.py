@@ -16,6 +16,13 @@ Sampler logprobs are ``log_softmax(raw_logits / temperature)`` at the sampled to
 means before the repetition penalty and before top-k / top-p warping: the distribution the policy
 defines, which is what the trainer compares against. With warping on, the tokens are drawn from
 the warped distribution, so these logprobs are then not those of the sampling distribution.
+A temperature of 0 (or below) decodes greedily and reports logprobs at temperature 1.
+
+With ``params.logprobs_topk = k > 0`` every completion also carries, per generated token, the top-k
+ids and logprobs of that same distribution (``extra["head_ids"]`` / ``extra["head_logprobs"]``), the
+sampler head that score centering needs. Score centering forces temperature 1 and no warping, so
+there the head is exactly the distribution the token was drawn from. With ``k == 0`` no top-k is
+taken and nothing extra is stored.
 
 Sampling is reproducible: every ``generate`` call draws from its own ``torch.Generator`` seeded from
 ``(params.seed, call index)``, never from the global RNG, and the call index is part of
@@ -94,6 +101,18 @@ def sample_tokens(
     seen_BV: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; returns ``(ids_B, logprobs_B)`` with the raw tempered logprobs."""
+    ids_B, logprobs_BV = draw_tokens(raw_logits_BV, params, generator, seen_BV)
+    return ids_B, logprobs_BV.gather(-1, ids_B[:, None]).squeeze(-1)
+
+
+def draw_tokens(
+    raw_logits_BV: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    seen_BV: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; returns ``(ids_B, logprobs_BV)``: the ids and the whole raw tempered
+    log-distribution (``log_softmax(raw / temperature)``; temperature 1 when greedy)."""
     raw_logits_BV = raw_logits_BV.float()
     if params.temperature <= 0:  # greedy; its logprob is reported at temperature 1
         ids_B = warp_logits(raw_logits_BV, _untempered(params), seen_BV).argmax(dim=-1)
@@ -102,7 +121,7 @@ def sample_tokens(
         probs_BV = torch.softmax(warp_logits(raw_logits_BV, params, seen_BV), dim=-1)
         ids_B = _inverse_cdf_sample(probs_BV, generator)
         logprobs_BV = torch.log_softmax(raw_logits_BV / params.temperature, dim=-1)
-    return ids_B, logprobs_BV.gather(-1, ids_B[:, None]).squeeze(-1)
+    return ids_B, logprobs_BV
 
 
 def _inverse_cdf_sample(probs_BV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -145,6 +164,36 @@ class _DecodeState:
         self.alive_A, self.mask_AK, self.pos_A = self.alive_A[idx], self.mask_AK[idx], self.pos_A[idx]
         if self.seen_AV is not None:
             self.seen_AV = self.seen_AV[idx]
+
+
+@dataclass
+class _Sampled:
+    """One decoded sequence: its tokens, their sampler logprobs, whether it stopped on EOS, extras."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    stopped: bool
+    extra: dict[str, Any]
+
+
+@dataclass
+class _HeadBuffer:
+    """The top-k head of every decoded token of one chunk (``params.logprobs_topk > 0`` only)."""
+
+    ids_BTK: torch.Tensor
+    logprobs_BTK: torch.Tensor
+
+    @classmethod
+    def allocate(cls, rows: int, max_tokens: int, k: int, device: torch.device) -> _HeadBuffer:
+        return cls(
+            torch.full((rows, max_tokens, k), -1, dtype=torch.long, device=device),
+            torch.full((rows, max_tokens, k), float("-inf"), dtype=torch.float32, device=device),
+        )
+
+    def record(self, rows_A: torch.Tensor, step: int, logprobs_AV: torch.Tensor) -> None:
+        top = torch.topk(logprobs_AV, self.ids_BTK.shape[-1], dim=-1)
+        self.ids_BTK[rows_A, step] = top.indices
+        self.logprobs_BTK[rows_A, step] = top.values
 
 
 class HFRolloutEngine:
@@ -253,15 +302,13 @@ class HFRolloutEngine:
         if empty:
             raise ValueError(f"prompt(s) {empty[:5]} have no tokens; every prompt needs at least one token")
 
-    def _package(
-        self, prompts: list[list[int]], n: int, results: list[tuple[list[int], list[float], bool]], gen_s: float
-    ) -> RolloutBatch:
-        texts = self.tokenizer.batch_decode([ids for ids, _, _ in results], skip_special_tokens=True)
+    def _package(self, prompts: list[list[int]], n: int, results: list[_Sampled], gen_s: float) -> RolloutBatch:
+        texts = self.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
         completions = []
-        for row, ((ids, logprobs, stopped), text) in enumerate(zip(results, texts)):
-            reason: FinishReason = "stop" if stopped else "length"
-            completions.append(Completion(row // n, ids, logprobs, reason, text))
-        tokens = sum(len(ids) for ids, _, _ in results)
+        for row, (r, text) in enumerate(zip(results, texts)):
+            reason: FinishReason = "stop" if r.stopped else "length"
+            completions.append(Completion(row // n, r.token_ids, r.logprobs, reason, text, r.extra))
+        tokens = sum(len(r.token_ids) for r in results)
         stats = {
             "rollout/gen_s": gen_s,
             "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
@@ -312,7 +359,7 @@ class HFRolloutEngine:
         params: SamplingParams,
         generator: torch.Generator,
         device: torch.device,
-    ) -> list[tuple[list[int], list[float], bool]]:
+    ) -> list[_Sampled]:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
@@ -322,10 +369,16 @@ class HFRolloutEngine:
         logprobs_BT = torch.zeros((rows, params.max_tokens), dtype=torch.float32, device=device)
         eos_E = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
         stopped_B = torch.zeros(rows, dtype=torch.bool, device=device)
+        heads = None
+        if params.logprobs_topk > 0:
+            k = min(params.logprobs_topk, state.logits_AV.shape[-1])
+            heads = _HeadBuffer.allocate(rows, params.max_tokens, k, device)
         for step in range(params.max_tokens):
-            next_A, lp_A = sample_tokens(state.logits_AV, params, generator, state.seen_AV)
+            next_A, logprobs_AV = draw_tokens(state.logits_AV, params, generator, state.seen_AV)
             tokens_BT[state.alive_A, step] = next_A
-            logprobs_BT[state.alive_A, step] = lp_A
+            logprobs_BT[state.alive_A, step] = logprobs_AV.gather(-1, next_A[:, None]).squeeze(-1)
+            if heads is not None:
+                heads.record(state.alive_A, step, logprobs_AV)
             is_eos_A = torch.isin(next_A, eos_E)
             stopped_B[state.alive_A[is_eos_A]] = True
             running = int((~is_eos_A).sum())  # one host sync per step decides whether to go on
@@ -339,12 +392,20 @@ class HFRolloutEngine:
             state.mask_AK = torch.cat([state.mask_AK, state.mask_AK.new_ones((running, 1))], dim=1)
             state.pos_A = state.pos_A + 1
             state.logits_AV = self._forward(next_A[:, None], state.mask_AK, state.pos_A[:, None], cache)
-        return self._collect(tokens_BT, logprobs_BT, stopped_B)
+        return self._collect(tokens_BT, logprobs_BT, stopped_B, heads)
 
     @staticmethod
     def _collect(
-        tokens_BT: torch.Tensor, logprobs_BT: torch.Tensor, stopped_B: torch.Tensor
-    ) -> list[tuple[list[int], list[float], bool]]:
+        tokens_BT: torch.Tensor, logprobs_BT: torch.Tensor, stopped_B: torch.Tensor, heads: _HeadBuffer | None
+    ) -> list[_Sampled]:
         lengths = (tokens_BT >= 0).sum(-1).tolist()
         tokens, logprobs, stopped = tokens_BT.tolist(), logprobs_BT.tolist(), stopped_B.tolist()
-        return [(tokens[b][: lengths[b]], logprobs[b][: lengths[b]], stopped[b]) for b in range(len(lengths))]
+        out = [
+            _Sampled(tokens[b][: lengths[b]], logprobs[b][: lengths[b]], stopped[b], {}) for b in range(len(lengths))
+        ]
+        if heads is not None:
+            head_ids, head_logprobs = heads.ids_BTK.tolist(), heads.logprobs_BTK.tolist()
+            for b, sampled in enumerate(out):
+                sampled.extra["head_ids"] = head_ids[b][: lengths[b]]
+                sampled.extra["head_logprobs"] = head_logprobs[b][: lengths[b]]
+        return out
