@@ -14,12 +14,20 @@ export PYTHONPATH="$PWD/src:/tmp/site" POSTTRAIN_OUTPUT_ROOT=/tmp/runs POSTTRAIN
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 run() {  # name, steps, recipe
   local name=$1 steps=$2 recipe=$3; shift 3
-  timeout 420 python3 -m posttrain.entrypoints.grpo --config "$recipe" -- rl.max_steps="$steps" job.name="$name" "$@" \
+  # shellcheck disable=SC2086  # EXTRA holds several key=value overrides
+  timeout 420 python3 -m posttrain.entrypoints.grpo --config "$recipe" -- rl.max_steps="$steps" job.name="$name" "$@" ${EXTRA:-} \
     2>&1 | grep -vE "Loading weights|Converting" | tee "$OUT/$name.log" | grep -E "^step|reward gain|mean step time|error" | tail -12
   local dir; dir=$(ls -d /tmp/runs/posttrain/*/"$name"/* | tail -1)
   cp "$dir/metrics.jsonl" "$OUT/$name.metrics.jsonl"
   [ "$name" != gpu_default ] || cp "$dir/report.png" "$OUT/$name.png"
 }
-run gpu_default "${STEPS:-200}" default
-run gpu_dr_grpo "${VARIANT_STEPS:-60}" dr_grpo
-run gpu_gspo "${VARIANT_STEPS:-60}" gspo
+for what in ${RUNS:-default dr_grpo gspo}; do
+  case $what in
+    default) run gpu_default "${STEPS:-200}" default ;;
+    dr_grpo) run gpu_dr_grpo "${VARIANT_STEPS:-60}" dr_grpo ;;
+    gspo) run gpu_gspo "${VARIANT_STEPS:-60}" gspo ;;
+    dapo) run gpu_dapo "${VARIANT_STEPS:-60}" default rl.min_informative_groups_frac=1.0 \
+      rl.dynamic_sampling_max_extra_rollouts=16 ;;
+    pytest) python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/pytest_gpu.log" ;;
+  esac
+done

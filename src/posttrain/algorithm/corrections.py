@@ -20,7 +20,6 @@ Shapes: ``B`` sequences, ``T`` completion tokens, ``K`` head entries per token.
 
 # Shape-suffixed field names (logprobs_BT) are the project convention, not mixedCase.
 
-
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -25,7 +25,6 @@ Shapes: ``B`` sequences, ``T`` completion tokens (padded), ``K`` score-centering
 
 # Shape-suffixed field names (logprobs_BT) are the project convention, not mixedCase.
 
-
 from __future__ import annotations
 
 from collections.abc import Callable

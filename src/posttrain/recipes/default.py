@@ -2,8 +2,12 @@
 
 Prompts are "What is a + b? Reply with only the number." with a, b drawn from 1..20, rendered with
 the model's chat template. The reward is 1 when the last number of the completion equals a + b.
-The untrained model answers correctly on roughly one completion in ten (it often restates the
-question or rambles), so most groups mix right and wrong answers and GRPO has a signal from step 0.
+The untrained model ends on the right number in roughly one completion in ten (it often restates
+the question or rambles), so many groups mix right and wrong answers and GRPO has a signal from
+step 0. On a 2-core CPU (fp32) the 60 steps take about 7 minutes and the reward climbs from about
+0.4 (first quarter) to about 0.8 (last quarter); benchmarks/cpu_default.md has the curve. In bf16
+on a GPU the same learning rate moves the weights less: give it a longer schedule
+(``rl.max_steps=300``) or a larger ``rl.optimizer.lr``.
 """
 
 from posttrain.config.schema import GRPOConfig
@@ -16,7 +20,9 @@ def make_config() -> GRPOConfig:
     cfg.rl.max_steps = 60
     cfg.rl.group_size = 8
     cfg.rl.batch_per_replica = 32
-    cfg.rl.optimizer.lr = 2e-5
+    # fp32 on a CPU: 1e-5 climbs steadily; 3e-5 learns faster but collapses onto one answer per
+    # prompt after ~50 steps (every group ties, learning stops).
+    cfg.rl.optimizer.lr = 1e-5
     cfg.rollout.max_tokens = 16
     cfg.rollout.temperature = 1.0
     return cfg
