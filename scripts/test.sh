@@ -17,4 +17,8 @@ echo "== ruff"
 echo "== mypy"
 .venv/bin/mypy
 echo "== pytest"
-.venv/bin/pytest -q "$@"
+# A vLLM engine changes process-wide state (threads, environment) that later multi-process tests
+# inherit, so the engine tests run in a pytest process of their own, after the rest.
+.venv/bin/pytest -q -m "not gpu and not vllm" "$@"
+echo "== pytest (vLLM engine)"
+.venv/bin/pytest -q -m vllm tests/integration "$@"

