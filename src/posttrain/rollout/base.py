@@ -54,6 +54,17 @@ class RolloutBatch:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+def check_generate_inputs(prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> None:
+    """What every engine refuses before sampling: no samples, no new tokens, or an empty prompt."""
+    if n < 1:
+        raise ValueError(f"rl.group_size (n) must be >= 1, got {n}")
+    if params.max_tokens < 1:
+        raise ValueError(f"rollout.max_tokens must be >= 1, got {params.max_tokens}")
+    empty = [i for i, p in enumerate(prompt_token_ids) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompt(s) {empty[:5]} have no tokens; every prompt needs at least one token")
+
+
 class RolloutEngine(Protocol):
     """Samples completions. Engines receive policy weights through ``load_weights``."""
 

@@ -42,7 +42,7 @@ import torch
 
 from posttrain.errors import TrainingError
 from posttrain.models.chat import eos_token_ids
-from posttrain.rollout.base import Completion, FinishReason, RolloutBatch, SamplingParams
+from posttrain.rollout.base import Completion, FinishReason, RolloutBatch, SamplingParams, check_generate_inputs
 
 
 @dataclass
@@ -269,7 +269,7 @@ class HFRolloutEngine:
             raise TrainingError(
                 f"the rollout engine cannot sample: {self._poisoned}. Resume from the last checkpoint (rl.resume=auto)."
             )
-        self._check_inputs(prompt_token_ids, n, params)
+        check_generate_inputs(prompt_token_ids, n, params)
         call_index = self._calls
         self._calls += 1
         device = next(self.model.parameters()).device
@@ -291,16 +291,6 @@ class HFRolloutEngine:
             self.model.train(was_training)
         gen_s = time.perf_counter() - start
         return self._package(prompt_token_ids, n, results, gen_s)
-
-    @staticmethod
-    def _check_inputs(prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> None:
-        if n < 1:
-            raise ValueError(f"rl.group_size (n) must be >= 1, got {n}")
-        if params.max_tokens < 1:
-            raise ValueError(f"rollout.max_tokens must be >= 1, got {params.max_tokens}")
-        empty = [i for i, p in enumerate(prompt_token_ids) if len(p) == 0]
-        if empty:
-            raise ValueError(f"prompt(s) {empty[:5]} have no tokens; every prompt needs at least one token")
 
     def _package(self, prompts: list[list[int]], n: int, results: list[_Sampled], gen_s: float) -> RolloutBatch:
         texts = self.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)

