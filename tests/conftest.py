@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,3 +30,49 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     out = tmp_path_factory.mktemp("tiny_model")
     return make_tiny_model(str(out), str(SMOLLM2_TOKENIZER_DIR))
+
+
+E2E_DIR = FIXTURES / "e2e"
+
+
+def _tiny_run_overrides(model_dir: str, out: Path, name: str, *extra: str) -> list[str]:
+    """A short GRPO run on a tiny model, scored by ``e2e_rewards:length_reward``; ``extra`` wins."""
+    return [
+        f"model.name_or_path={model_dir}",
+        f"job.output_root={out}",
+        f"job.name={name}",
+        "rl.reward=e2e_rewards:length_reward",
+        "rl.batch_per_replica=8",
+        "rl.group_size=4",
+        "rollout.max_tokens=12",
+        "rl.optimizer.lr=1e-3",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def run_overrides(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[str]]:
+    """``run_overrides(model_dir, out, name, *extra)``: the overrides of a short tiny-model run, with
+    ``tests/fixtures/e2e`` importable so that its rewards resolve."""
+    monkeypatch.syspath_prepend(str(E2E_DIR))
+    return _tiny_run_overrides
+
+
+def _grpo_cli(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(E2E_DIR), os.environ.get("PYTHONPATH", "")])}
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-m", "posttrain.entrypoints.grpo", "--", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.fixture
+def grpo_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``grpo_cli(overrides, env_extra=None)``: ``python -m posttrain.entrypoints.grpo -- ...`` in a
+    subprocess (for runs that are killed, signalled, or must not share this process)."""
+    return _grpo_cli

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,9 @@ from safetensors.torch import load_file
 from posttrain.config.loading import build_config
 from posttrain.loop.grpo import train
 
-E2E = str(Path(__file__).resolve().parents[1] / "fixtures" / "e2e")
+RunOverrides = Callable[..., list[str]]
+GrpoCli = Callable[..., subprocess.CompletedProcess[str]]
+
 REQUIRED_METRICS = [
     "train/reward_mean",
     "train/reward_std",
@@ -31,31 +32,14 @@ REQUIRED_METRICS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _fixture_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(E2E)
-
-
-def tiny_overrides(model_dir: str, out: Path, name: str, *extra: str) -> list[str]:
-    return [
-        f"model.name_or_path={model_dir}",
-        f"job.output_root={out}",
-        f"job.name={name}",
-        "rl.reward=e2e_rewards:length_reward",
-        "rl.batch_per_replica=8",
-        "rl.group_size=4",
-        "rollout.max_tokens=12",
-        "rl.optimizer.lr=1e-3",
-        *extra,
-    ]
-
-
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_steps_change_parameters_and_log_every_metric(tiny_model_dir: str, tmp_path: Path) -> None:
-    cfg = build_config(None, tiny_overrides(tiny_model_dir, tmp_path, "two", "rl.max_steps=2", "rl.save_every=2"))
+def test_two_steps_change_parameters_and_log_every_metric(
+    tiny_model_dir: str, tmp_path: Path, run_overrides: RunOverrides
+) -> None:
+    cfg = build_config(None, run_overrides(tiny_model_dir, tmp_path, "two", "rl.max_steps=2", "rl.save_every=2"))
     run_dir = train(cfg)
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
@@ -71,19 +55,6 @@ def test_two_steps_change_parameters_and_log_every_metric(tiny_model_dir: str, t
     assert (run_dir / "report.png").stat().st_size > 10_000
 
 
-def _cli(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([E2E, os.environ.get("PYTHONPATH", "")])}
-    env.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, "-m", "posttrain.entrypoints.grpo", "--", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        check=False,
-    )
-
-
 def _comparable(records: list[dict[str, float]]) -> list[dict[str, float]]:
     return [{k: v for k, v in r.items() if not k.startswith(("timer/", "rollout/"))} for r in records]
 
@@ -93,14 +64,16 @@ def _latest_run(root: Path, name: str) -> Path:
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tiny_model_dir: str, tmp_path: Path) -> None:
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(
+    tiny_model_dir: str, tmp_path: Path, run_overrides: RunOverrides, grpo_cli: GrpoCli
+) -> None:
     steps = ["rl.max_steps=4", "rl.save_every=2"]
-    whole = _cli(tiny_overrides(tiny_model_dir, tmp_path, "whole", *steps))
+    whole = grpo_cli(run_overrides(tiny_model_dir, tmp_path, "whole", *steps))
     assert whole.returncode == 0, whole.stderr
     # 8 reward calls per step: the 20th call is inside step 3, after the step-2 checkpoint
-    killed = _cli(tiny_overrides(tiny_model_dir, tmp_path, "cut", *steps), {"PT_TEST_SIGNAL_AT": "20:KILL"})
+    killed = grpo_cli(run_overrides(tiny_model_dir, tmp_path, "cut", *steps), {"PT_TEST_SIGNAL_AT": "20:KILL"})
     assert killed.returncode == -9
-    resumed = _cli(tiny_overrides(tiny_model_dir, tmp_path, "cut", *steps, "rl.resume=auto"))
+    resumed = grpo_cli(run_overrides(tiny_model_dir, tmp_path, "cut", *steps, "rl.resume=auto"))
     assert resumed.returncode == 0, resumed.stderr
     assert "optimizer step 2" in resumed.stdout
     whole_dir, resumed_dir = _latest_run(tmp_path, "whole"), _latest_run(tmp_path, "cut")
@@ -111,22 +84,26 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tiny_model_dir: st
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_resumable_checkpoint(tiny_model_dir: str, tmp_path: Path) -> None:
-    args = tiny_overrides(tiny_model_dir, tmp_path, "term", "rl.max_steps=6", "rl.save_every=100")
-    stopped = _cli(args, {"PT_TEST_SIGNAL_AT": "12:TERM"})  # inside step 2
+def test_sigterm_saves_a_resumable_checkpoint(
+    tiny_model_dir: str, tmp_path: Path, run_overrides: RunOverrides, grpo_cli: GrpoCli
+) -> None:
+    args = run_overrides(tiny_model_dir, tmp_path, "term", "rl.max_steps=6", "rl.save_every=100")
+    stopped = grpo_cli(args, {"PT_TEST_SIGNAL_AT": "12:TERM"})  # inside step 2
     assert stopped.returncode == 0, stopped.stderr
     assert "SIGTERM" in stopped.stdout
     run_dir = _latest_run(tmp_path, "term")
     assert (run_dir / "checkpoints" / "latest_checkpoint.txt").read_text().strip().endswith("iter_000000002")
-    resumed = _cli([*args, "rl.resume=auto"])
+    resumed = grpo_cli([*args, "rl.resume=auto"])
     assert resumed.returncode == 0, resumed.stderr
     assert [r["step"] for r in read_metrics(_latest_run(tmp_path, "term"))] == [1, 2, 3, 4, 5, 6]
 
 
-def test_dynamic_sampling_fills_every_group_with_informative_ones(tiny_model_dir: str, tmp_path: Path) -> None:
+def test_dynamic_sampling_fills_every_group_with_informative_ones(
+    tiny_model_dir: str, tmp_path: Path, run_overrides: RunOverrides
+) -> None:
     cfg = build_config(
         None,
-        tiny_overrides(
+        run_overrides(
             tiny_model_dir,
             tmp_path,
             "dapo",
@@ -144,8 +121,8 @@ def test_dynamic_sampling_fills_every_group_with_informative_ones(tiny_model_dir
 
 
 @pytest.mark.parametrize("recipe", ["dr_grpo", "gspo"])
-def test_variant_recipes_run(recipe: str, tiny_model_dir: str, tmp_path: Path) -> None:
-    cfg = build_config(recipe, tiny_overrides(tiny_model_dir, tmp_path, recipe, "rl.max_steps=2"))
+def test_variant_recipes_run(recipe: str, tiny_model_dir: str, tmp_path: Path, run_overrides: RunOverrides) -> None:
+    cfg = build_config(recipe, run_overrides(tiny_model_dir, tmp_path, recipe, "rl.max_steps=2"))
     records = read_metrics(train(cfg))
     assert len(records) == 2
     assert all(r["train/grad_norm"] > 0 for r in records)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,37 +15,20 @@ from posttrain.errors import PosttrainError
 from posttrain.loop.grpo import train
 from posttrain.policy.trainer import build_reference
 
-E2E = str(Path(__file__).resolve().parents[1] / "fixtures" / "e2e")
+
+@pytest.fixture
+def run(run_overrides: Callable[..., list[str]], tiny_model_dir: str, tmp_path: Path) -> Callable[..., list[dict]]:
+    """Two steps on the tiny model with ``extra`` overrides; returns the metrics records."""
+
+    def _run(*extra: str) -> list[dict[str, float]]:
+        run_dir = train(build_config(None, run_overrides(tiny_model_dir, tmp_path, "opt", "rl.max_steps=2", *extra)))
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    return _run
 
 
-@pytest.fixture(autouse=True)
-def _fixture_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(E2E)
-
-
-def _run(model_dir: str, out: Path, *extra: str) -> list[dict[str, float]]:
-    cfg = build_config(
-        None,
-        [
-            f"model.name_or_path={model_dir}",
-            f"job.output_root={out}",
-            "rl.reward=e2e_rewards:length_reward",
-            "rl.batch_per_replica=8",
-            "rl.group_size=4",
-            "rollout.max_tokens=12",
-            "rl.optimizer.lr=1e-3",
-            "rl.max_steps=2",
-            *extra,
-        ],
-    )
-    run_dir = train(cfg)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_kl_to_a_reference_from_another_checkpoint(tiny_model_dir: str, tmp_path: Path) -> None:
-    records = _run(
-        tiny_model_dir,
-        tmp_path,
+def test_kl_to_a_reference_from_another_checkpoint(run: Callable[..., list[dict]], tiny_model_dir: str) -> None:
+    records = run(
         "rl.kl_beta=0.1",
         "rl.ref.build_ref=true",
         f"rl.ref.model_dir={tiny_model_dir}",
@@ -63,17 +47,17 @@ def test_reference_refuses_live_dropout(tiny_model_dir: str) -> None:
         build_reference(model, cfg)
 
 
-def test_truncated_completions_leave_the_loss(tiny_model_dir: str, tmp_path: Path) -> None:
+def test_truncated_completions_leave_the_loss(run: Callable[..., list[dict]]) -> None:
     # the tiny model never emits EOS within 12 tokens: every completion is cut, so nothing is left
-    records = _run(tiny_model_dir, tmp_path, "rl.mask_truncated_completions=true")
+    records = run("rl.mask_truncated_completions=true")
     assert all(r["train/rollout_truncated_frac"] == 1.0 for r in records)
     assert all(r["train/grad_norm"] == 0.0 for r in records)
     assert records[-1]["optim/zero_grad_skips_total"] == 2.0
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "fusedadam"])
-def test_other_optimizers_train(optimizer: str, tiny_model_dir: str, tmp_path: Path) -> None:
-    records = _run(tiny_model_dir, tmp_path, f"rl.optimizer.name={optimizer}")
+def test_other_optimizers_train(optimizer: str, run: Callable[..., list[dict]]) -> None:
+    records = run(f"rl.optimizer.name={optimizer}")
     assert all(r["train/grad_norm"] > 0 for r in records)
     assert records[-1]["optim/step"] == 2.0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,6 @@ from posttrain.policy.logprobs import completion_logprobs
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.hf_engine import HFRolloutEngine
 
-E2E = str(Path(__file__).resolve().parents[1] / "fixtures" / "e2e")
 EOS = 2  # <|im_end|> in the SmolLM2 tokenizer
 K = 8
 
@@ -94,22 +94,14 @@ def test_no_head_without_the_request(peaked_model, tiny_model_dir: str) -> None:
     assert all(c.extra == {} for c in out.completions)
 
 
-def _overrides(model_dir: str, out: Path, name: str, *extra: str) -> list[str]:
-    return [
-        f"model.name_or_path={model_dir}",
-        f"job.output_root={out}",
-        f"job.name={name}",
-        "rl.reward=e2e_rewards:length_reward",
-        "rl.batch_per_replica=8",
-        "rl.group_size=4",
-        "rollout.max_tokens=8",
-        "rl.optimizer.lr=1e-3",
-        "rl.max_steps=2",
-        "rl.save_every=2",
-        "rl.score_centering.enabled=true",
-        f"rl.score_centering.top_k={K}",
-        *extra,
-    ]
+# score centering on top of the shared tiny-run overrides (tests/conftest.py)
+SC_OVERRIDES = (
+    "rollout.max_tokens=8",
+    "rl.max_steps=2",
+    "rl.save_every=2",
+    "rl.score_centering.enabled=true",
+    f"rl.score_centering.top_k={K}",
+)
 
 
 @pytest.mark.parametrize(
@@ -123,11 +115,13 @@ def _overrides(model_dir: str, out: Path, name: str, *extra: str) -> list[str]:
     ],
 )
 def test_two_steps_with_score_centering(
-    tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compose: str, extra: list[str]
+    tiny_model_dir: str, tmp_path: Path, run_overrides: Callable[..., list[str]], compose: str, extra: list[str]
 ) -> None:
-    monkeypatch.syspath_prepend(E2E)
     cfg = build_config(
-        None, _overrides(tiny_model_dir, tmp_path, f"sc_{compose}", f"rl.score_centering.compose={compose}", *extra)
+        None,
+        run_overrides(
+            tiny_model_dir, tmp_path, f"sc_{compose}", *SC_OVERRIDES, f"rl.score_centering.compose={compose}", *extra
+        ),
     )
     assert preflight(cfg).errors == []
     run_dir = train(cfg)

@@ -7,9 +7,8 @@ The run is a subprocess so that its engine never shares a process with the engin
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,33 +21,19 @@ from posttrain.models.tiny import make_tiny_model
 
 pytestmark = pytest.mark.vllm
 
-E2E = str(Path(__file__).resolve().parents[1] / "fixtures" / "e2e")
 
-
-def test_two_grpo_steps_with_the_vllm_engine(tmp_path: Path, smollm2_tokenizer_dir: str) -> None:
+def test_two_grpo_steps_with_the_vllm_engine(
+    tmp_path: Path,
+    smollm2_tokenizer_dir: str,
+    run_overrides: Callable[..., list[str]],
+    grpo_cli: Callable[..., subprocess.CompletedProcess[str]],
+) -> None:
     # vLLM's CPU attention refuses a head size of 16, so this tiny model has two 32-wide heads
     model_dir = make_tiny_model(str(tmp_path / "m"), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([E2E, os.environ.get("PYTHONPATH", "")])}
-    args = [
-        f"model.name_or_path={model_dir}",
-        f"job.output_root={tmp_path / 'out'}",
-        "rollout.backend=vllm",
-        "rl.reward=e2e_rewards:length_reward",
-        "rl.batch_per_replica=8",
-        "rl.group_size=4",
-        "rollout.max_tokens=12",
-        "rl.optimizer.lr=1e-3",
-        "rl.max_steps=2",
-        "rl.save_every=2",
-    ]
-    res = subprocess.run(
-        [sys.executable, "-m", "posttrain.entrypoints.grpo", "--", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        check=False,
+    overrides = run_overrides(
+        model_dir, tmp_path / "out", "vllm", "rollout.backend=vllm", "rl.max_steps=2", "rl.save_every=2"
     )
+    res = grpo_cli(overrides)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "vLLM engine started" in res.stdout
     run_dir = next((tmp_path / "out" / "posttrain" / "grpo").glob("*/*"))
