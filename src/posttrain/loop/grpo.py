@@ -252,7 +252,8 @@ def build_engine(cfg: GRPOConfig, model: Any, tokenizer: Any, log: MetricsLogger
 
 
 def start_run(cfg: GRPOConfig, argv: list[str]) -> Run:
-    """Run directory, provenance, sinks, model, data, reward, engine and trainer."""
+    """Run directory, provenance, sinks, data, reward, model, engine and trainer (data and reward
+    first: a malformed file or an unknown reward fails before minutes go into loading a model)."""
     run_dir = create_run_dir(cfg)
     provenance = collect_provenance(argv=argv, attempt_ts=run_dir.name)
     write_provenance(run_dir, provenance)
@@ -269,6 +270,8 @@ def start_run(cfg: GRPOConfig, argv: list[str]) -> Run:
     )
     log.info(f"run directory: {run_dir}")
     seed_everything(cfg.rl.seed)
+    data = build_data_source(cfg.rl.data, cfg.data_seed)
+    reward = get_reward(cfg.rl.reward)
     t0 = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(cfg.model)
     params = sum(p.numel() for p in model.parameters())
@@ -278,12 +281,7 @@ def start_run(cfg: GRPOConfig, argv: list[str]) -> Run:
         f"(loaded in {time.perf_counter() - t0:.1f}s)"
     )
     engine = build_engine(cfg, model, tokenizer, log)
-    roles = Roles(
-        data=build_data_source(cfg.rl.data, cfg.data_seed),
-        engine=engine,
-        reward=get_reward(cfg.rl.reward),
-        tokenizer=tokenizer,
-    )
+    roles = Roles(data=data, engine=engine, reward=reward, tokenizer=tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = PolicyTrainer(model, cfg, pad_id=pad_id, ref_model=build_reference(model, cfg))
     return Run(cfg, run_dir, log, roles, trainer, resume_identity(cfg), tokenizer)
