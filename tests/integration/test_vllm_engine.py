@@ -237,3 +237,23 @@ def test_failed_transfer_poisons_the_engine(engine: VLLMRolloutEngine, base_mode
         engine.generate(prompts, 1, SamplingParams(max_tokens=2))
     with pytest.raises(TrainingError, match="cannot be used"):
         engine.load_weights(good, version=5)
+
+
+def test_vllm_teacher_scores_equal_the_hf_teacher(fresh: VLLMRolloutEngine, base_model, tokenizer, prompts) -> None:
+    """OPD's vLLM teacher path (prompt logprobs of a forced sequence) on the shared engine agrees with
+    the transformers teacher on the same weights: realized-token logprobs and the top-k head."""
+    from posttrain.teacher.base import ScoreRequest
+    from posttrain.teacher.hf_teacher import HFTeacher
+    from posttrain.teacher.vllm_teacher import VLLMTeacher
+
+    batch = fresh.generate(prompts, 2, SamplingParams(max_tokens=6, seed=11))
+    requests = [
+        ScoreRequest(batch.prompt_token_ids[c.prompt_index] + c.token_ids, len(batch.prompt_token_ids[c.prompt_index]))
+        for c in batch.completions
+    ]
+    got = VLLMTeacher(llm=fresh._llm, tokenizer=tokenizer).score(requests, top_k=3)
+    want = HFTeacher(base_model, tokenizer).score(requests, top_k=3)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=1e-4)
+        assert g.topk_ids == w.topk_ids
+        torch.testing.assert_close(torch.tensor(g.topk_logprobs), torch.tensor(w.topk_logprobs), atol=1e-4, rtol=1e-4)

@@ -226,18 +226,6 @@ def test_help_without_torch() -> None:
     assert "| torch" not in res.stderr
 
 
-def test_opd_check_rejects_dynamic_sampling_and_sequence_ratio() -> None:
-    from posttrain.config.validate import opd_rejections
-
-    assert opd_rejections(build_config(None, [])) == []
-    problems = opd_rejections(
-        build_config(None, ["rl.min_informative_groups_frac=0.5", "rl.importance_sampling_level=sequence"])
-    )
-    assert len(problems) == 2
-    assert "rl.min_informative_groups_frac=0.5" in problems[0] and "GRPO-only" in problems[0]
-    assert "rl.importance_sampling_level=sequence" in problems[1]
-
-
 def test_vllm_backend_is_checked_before_any_model_loads() -> None:
     import importlib.util
 

@@ -145,6 +145,9 @@ class LossInputs:
     """Score centering: the sampler's logprobs of those ids."""
     head_policy_logprobs_BTK: Tensor | None = None
     """Score centering: the current policy's logprobs of those ids (carries gradient)."""
+    token_advantages_BT: Tensor | None = None
+    """Per-token advantages (treated as constants); when given they replace ``advantages_B`` (on-policy
+    distillation's teacher credit varies along a completion)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,6 +179,7 @@ class LossStats:
     sc_kl_head_sum: Tensor | None = None
     sc_rho_max: Tensor | None = None
     mis_dropped_tokens: Tensor | None = None
+    opd_divergence_sum: Tensor | None = None
 
     MAX_FIELDS = frozenset({"kl_max", "logprob_gap_max", "sc_rho_max"})
 
@@ -217,6 +221,8 @@ class LossStats:
                 out["train/sc_mis_drop_frac"] = mean(self.mis_dropped_tokens, self.sc_tokens)
         if self.sc_rho_max is not None:
             out["train/sc_rho_max"] = self.sc_rho_max
+        if self.opd_divergence_sum is not None:
+            out["train/opd_divergence"] = mean(self.opd_divergence_sum, self.loss_tokens)
         return out
 
 
@@ -304,17 +310,26 @@ def sequence_ratio(logprobs_BT: Tensor, old_logprobs_BT: Tensor, mask_BT: Tensor
     return torch.exp(log_s_B)[:, None] * torch.exp(logprobs_BT - logprobs_BT.detach())
 
 
+def _advantage_columns(advantages: Tensor, dtype: torch.dtype) -> Tensor:
+    """Advantages broadcastable against ``[B, T]``: one per sequence ``[B]`` becomes ``[B, 1]``;
+    per-token advantages ``[B, T]`` stay as they are. Always treated as constants."""
+    adv = advantages.detach().to(dtype)
+    return adv[:, None] if adv.dim() == 1 else adv
+
+
 def clipped_surrogate(
     ratio_BT: Tensor, advantages_B: Tensor, epsilon_low: float, epsilon_high: float
 ) -> tuple[Tensor, Tensor]:
     """PPO/GRPO clipped per-token loss ``-min(r·A, clip(r, 1-eps_low, 1+eps_high)·A)``.
+
+    ``advantages_B`` is one advantage per sequence, or a ``[B, T]`` tensor of per-token advantages.
 
     Returns ``(loss_BT, clipped_BT)``. A token is *clipped* when the clipped branch is the one the
     min selects and it differs from the unclipped one: ``A > 0 and r > 1 + eps_high`` or
     ``A < 0 and r < 1 - eps_low``. Exactly these tokens get zero gradient, and at ``r == 1`` (the
     policy has not moved) none is clipped, so ``train/clip_frac`` is exactly 0.
     """
-    adv_B1 = advantages_B.detach().to(ratio_BT.dtype)[:, None]
+    adv_B1 = _advantage_columns(advantages_B, ratio_BT.dtype)
     unclipped_BT = ratio_BT * adv_B1
     clipped_value_BT = ratio_BT.clamp(min=1.0 - epsilon_low, max=1.0 + epsilon_high) * adv_B1
     r_BT = ratio_BT.detach()
@@ -325,13 +340,22 @@ def clipped_surrogate(
 
 
 def legacy_pg_surrogate(logprobs_BT: Tensor, advantages_B: Tensor) -> Tensor:
-    """Plain policy gradient ``-A · log pi(y_t)`` (no ratio, no clip)."""
-    return -advantages_B.detach().to(logprobs_BT.dtype)[:, None] * logprobs_BT
+    """Plain policy gradient ``-A · log pi(y_t)`` (no ratio, no clip); per-sequence or per-token ``A``."""
+    return -_advantage_columns(advantages_B, logprobs_BT.dtype) * logprobs_BT
 
 
 # ----------------------------------------------------------------------------------------------
 # The objective
 # ----------------------------------------------------------------------------------------------
+
+
+def _check_token_advantages(token_advantages_BT: Tensor | None, shape: tuple[int, ...], spec: ObjectiveSpec) -> None:
+    if token_advantages_BT is None:
+        return
+    if tuple(token_advantages_BT.shape) != shape:
+        raise ValueError(f"token_advantages_BT has shape {tuple(token_advantages_BT.shape)}, expected {shape}")
+    if spec.importance_sampling_level == "sequence":
+        raise ValueError("per-token advantages need importance_sampling_level=token (a sequence ratio has one A)")
 
 
 def _check_inputs(inputs: LossInputs, spec: ObjectiveSpec) -> None:
@@ -350,6 +374,7 @@ def _check_inputs(inputs: LossInputs, spec: ObjectiveSpec) -> None:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} like logprobs_BT")
     if tuple(inputs.advantages_B.shape) != shape[:1]:
         raise ValueError(f"advantages_B has shape {tuple(inputs.advantages_B.shape)}, expected ({shape[0]},)")
+    _check_token_advantages(inputs.token_advantages_BT, shape, spec)
     if spec.kl_beta > 0 and inputs.ref_logprobs_BT is None:
         raise ValueError("rl.kl_beta > 0 needs ref_logprobs_BT (build the reference: rl.ref.build_ref=true)")
     if spec.sc_compose != "none" and inputs.sampler_logprobs_BT is None:
@@ -443,7 +468,10 @@ def policy_loss(inputs: LossInputs, spec: ObjectiveSpec, norm: LossNormalizer) -
     dtype = torch.promote_types(inputs.logprobs_BT.dtype, torch.float32)
     lp_BT = _masked(inputs.logprobs_BT, mask_BT, dtype)
     old_BT = _masked(inputs.old_logprobs_BT.detach(), mask_BT, dtype)
+    # Per-token advantages (OPD credit) replace the per-sequence ones; masked positions hold 0.
     adv_B = inputs.advantages_B.detach().to(dtype)
+    if inputs.token_advantages_BT is not None:
+        adv_B = _masked(inputs.token_advantages_BT.detach(), mask_BT, dtype)
 
     score_lp_BT: Tensor = lp_BT
     weight_BT: Tensor | None = None

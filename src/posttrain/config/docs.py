@@ -63,10 +63,34 @@ def _section(model: type[BaseModel], prefix: str, out: list[str]) -> None:
         _section(sub_model, sub_prefix + ".", out)
 
 
+OPD_HEADER = """
+# On-policy distillation (`posttrain opd`)
+
+An OPD recipe returns an `OPDConfig`: every key above, plus the keys below (docs/opd.md explains
+the teacher modes and which combinations the preflight accepts).
+"""
+
+
+def _opd_sections(out: list[str]) -> None:
+    """The keys OPD adds to the GRPO config: ``rl``'s new fields and the ``rl.teacher`` section."""
+    from posttrain.config.opd import OPDRLConfig, TeacherConfig
+    from posttrain.config.schema import RLConfig
+
+    out.append(OPD_HEADER)
+    added = {k: f for k, f in OPDRLConfig.model_fields.items() if k not in RLConfig.model_fields and k != "teacher"}
+    out.append("\n## `rl` (OPD additions)\n")
+    out.append("| key | type | default | meaning |\n| --- | --- | --- | --- |")
+    for name, field in added.items():
+        doc = " ".join((field.description or "").split()).replace("|", "\\|")
+        out.append(f"| `rl.{name}` | {_type(field)} | {_default(field)} | {doc} |")
+    _section(TeacherConfig, "rl.teacher.", out)
+
+
 def render_config_reference() -> str:
     """The whole reference page as markdown."""
     out = [HEADER]
     _section(GRPOConfig, "", out)
+    _opd_sections(out)
     return "\n".join(out) + "\n"
 
 

@@ -35,6 +35,8 @@ _OverrideLoader.add_implicit_resolver(
 )
 
 RECIPES_PACKAGE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+# The recipe each command runs without --config, by the config class it builds.
+DEFAULT_RECIPES = {"GRPOConfig": "default", "OPDConfig": "opd_direct"}
 
 
 def builtin_recipes() -> list[str]:
@@ -58,10 +60,12 @@ def resolve_recipe_path(recipe: str) -> Path:
     )
 
 
-def load_recipe(recipe: str | None) -> GRPOConfig:
-    """Run a recipe's ``make_config()``; ``None`` gives the embedded default recipe."""
+def load_recipe(recipe: str | None, config_type: type[GRPOConfig] = GRPOConfig) -> GRPOConfig:
+    """Run a recipe's ``make_config()``; ``None`` gives the embedded default recipe (``default`` for
+    GRPO, ``opd_direct`` for OPD). The recipe must return exactly ``config_type``: a GRPO recipe given
+    to the OPD command (or the reverse) is refused with the command to use instead."""
     if recipe is None:
-        recipe = "default"
+        recipe = DEFAULT_RECIPES.get(config_type.__name__, "default")
     path = resolve_recipe_path(recipe)
     module_name = f"_posttrain_recipe_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -80,9 +84,16 @@ def load_recipe(recipe: str | None) -> GRPOConfig:
         config = make_config()
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from exc
-    if not isinstance(config, GRPOConfig):
-        raise ConfigError([f"--config {path}: make_config() returned {type(config).__name__}, expected a GRPOConfig"])
+    if type(config) is not config_type:
+        raise ConfigError([_wrong_config_type(path, config, config_type)])
     return config
+
+
+def _wrong_config_type(path: Path, config: object, expected: type[GRPOConfig]) -> str:
+    got = type(config).__name__
+    commands = {"GRPOConfig": "posttrain grpo", "OPDConfig": "posttrain opd"}
+    hint = f"; run it with `{commands[got]}`" if got in commands else ""
+    return f"--config {path}: make_config() returned {got}, expected {expected.__name__}{hint}"
 
 
 def parse_overrides(items: Iterable[str]) -> list[tuple[str, Any]]:
@@ -118,12 +129,13 @@ def known_keys(model: type[BaseModel] = GRPOConfig, prefix: str = "") -> list[st
     return keys
 
 
-def _unknown_key_message(key: str) -> str:
-    close = difflib.get_close_matches(key, known_keys(), n=3, cutoff=0.6)
+def _unknown_key_message(key: str, model: type[BaseModel] = GRPOConfig) -> str:
+    keys = known_keys(model)
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
     if not close:
         # also match on the last component, so `rl.grupsize` and `grupsize` both find rl.group_size
         leaf = key.rsplit(".", 1)[-1]
-        close = [k for k in known_keys() if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.75)]
+        close = [k for k in keys if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.75)]
     hint = f"; did you mean {', '.join(close[:3])}?" if close else ""
     return f"unknown key {key!r}{hint}"
 
@@ -151,26 +163,26 @@ def apply_overrides(config: GRPOConfig, overrides: list[tuple[str, Any]]) -> GRP
     for key, value in overrides:
         slot = _set_dotted(tree, key)
         if slot is None:
-            problems.append(_unknown_key_message(key))
+            problems.append(_unknown_key_message(key, type(config)))
             continue
         node, leaf = slot
         node[leaf] = value
     try:
-        validated = GRPOConfig.model_validate(tree)
+        validated = type(config).model_validate(tree)
     except ValidationError as exc:
-        problems.extend(format_validation_error(exc))
+        problems.extend(format_validation_error(exc, type(config)))
     if problems:
         raise ConfigError(problems)
     return validated
 
 
-def format_validation_error(exc: ValidationError) -> list[str]:
+def format_validation_error(exc: ValidationError, model: type[BaseModel] = GRPOConfig) -> list[str]:
     """Pydantic errors as ``field=value: what is wrong`` lines."""
     lines = []
     for err in exc.errors():
         loc = ".".join(str(part) for part in err["loc"])
         if err["type"] == "extra_forbidden":
-            lines.append(_unknown_key_message(loc))
+            lines.append(_unknown_key_message(loc, model))
             continue
         value = err.get("input")
         shown = value if not isinstance(value, dict) else "{...}"
@@ -178,21 +190,25 @@ def format_validation_error(exc: ValidationError) -> list[str]:
     return lines
 
 
-def build_config(recipe: str | None, override_items: Iterable[str] = ()) -> GRPOConfig:
+def build_config(
+    recipe: str | None, override_items: Iterable[str] = (), config_type: type[GRPOConfig] = GRPOConfig
+) -> GRPOConfig:
     """The recipe with its overrides applied (not yet cross-validated: see ``validate``)."""
-    config = load_recipe(recipe)
+    config = load_recipe(recipe, config_type)
     overrides = parse_overrides(override_items)
     return apply_overrides(config, overrides) if overrides else config
 
 
-def build_config_best_effort(recipe: str | None, override_items: Iterable[str]) -> GRPOConfig | None:
+def build_config_best_effort(
+    recipe: str | None, override_items: Iterable[str], config_type: type[GRPOConfig] = GRPOConfig
+) -> GRPOConfig | None:
     """The recipe with every override that is valid on its own applied, skipping the rest.
 
     ``--validate-manifest`` uses it after an invalid override so that the model-free checks still
     run on everything else and every problem is reported in one pass.
     """
     try:
-        config = load_recipe(recipe)
+        config = load_recipe(recipe, config_type)
         overrides = parse_overrides(override_items)
     except ConfigError:
         return None

@@ -319,6 +319,35 @@ class GridConfig(_Section):
     """Role shapes."""
     ray_address: str | None = None
     """Address of an existing Ray cluster; ``null`` starts a local one."""
+    dp_replicate: int = Field(1, ge=1)
+    """Policy data parallelism, replicated axis (HSDP): ``dp_replicate x dp_shard`` must equal
+    POLICY_RANKS. Each replica holds a whole sharded copy; 1 is plain FSDP over all policy ranks.
+    Every policy rank is one data cell either way."""
+    dp_shard: int | None = Field(None, ge=1)
+    """Policy data parallelism, sharded axis (FSDP): parameters, gradients and optimizer state are
+    split over this many ranks. ``null``: POLICY_RANKS // ``dp_replicate``."""
+    num_nodes: int | None = Field(None, ge=1)
+    """Nodes of the allocation, declared so that a too-small allocation is refused before anything
+    starts; ``null``: not declared (checked against torchrun's ``WORLD_SIZE`` when launched with it)."""
+    gpus_per_node: int | None = Field(None, ge=1)
+    """GPUs per node of the declared allocation (set together with ``num_nodes``)."""
+
+    @property
+    def policy_ranks(self) -> int:
+        """POLICY_RANKS: the second entry of ``shapes.policy``."""
+        return self.shapes.policy[-1]
+
+    @property
+    def rollout_gpus(self) -> int:
+        """GPUs the rollout engines take: ROLLOUT_REPLICAS x ROLLOUT_RANKS."""
+        return self.shapes.rollout[0] * self.shapes.rollout[-1]
+
+    @property
+    def gpus_needed(self) -> int:
+        """GPUs the shapes need: colocated roles share one pool, disaggregated ones own theirs."""
+        if self.gpu_placement == "colocated":
+            return max(self.policy_ranks, self.rollout_gpus)
+        return self.policy_ranks + self.rollout_gpus
 
 
 class GRPOConfig(_Section):

@@ -1,4 +1,4 @@
-"""The ``posttrain`` console script: ``grpo``, ``report`` and ``export-hf`` subcommands."""
+"""The ``posttrain`` console script: ``grpo``, ``opd``, ``report`` and ``export-hf`` subcommands."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections.abc import Sequence
 USAGE = """usage: posttrain COMMAND [ARGS]
 
 commands:
-  grpo     train with GRPO (Dr-GRPO, GSPO, DAPO): posttrain grpo --config RECIPE.py [--validate-manifest] [-- k=v ...]
+  grpo       train with GRPO (Dr-GRPO, GSPO, DAPO): posttrain grpo --config RECIPE.py [--validate-manifest] [-- k=v ...]
+  opd        on-policy distillation from a teacher: posttrain opd --config RECIPE.py [--validate-manifest] [-- k=v ...]
   report     plot a run's curves to a PNG and print a summary: posttrain report RUN_DIR [--out FILE.png]
   export-hf  write a Hugging Face model directory from a checkpoint: posttrain export-hf CHECKPOINT OUT_DIR
 
@@ -47,6 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from posttrain.entrypoints.grpo import main as grpo_main
 
         return grpo_main(rest)
+    if command == "opd":
+        from posttrain.entrypoints.opd import main as opd_main
+
+        return opd_main(rest)
     if command == "report":
         return report_main(rest)
     if command == "export-hf":

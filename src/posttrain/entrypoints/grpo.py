@@ -7,9 +7,11 @@ Argument parsing, recipe loading and the preflight import no torch, so ``--help`
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from posttrain.errors import ConfigError, PosttrainError
 
@@ -26,20 +28,28 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def build_parser(prog: str = "posttrain grpo") -> argparse.ArgumentParser:
-    """The GRPO command's arguments."""
+GRPO_DESCRIPTION = (
+    "Online GRPO post-training: sample groups of completions, score them, train on the group-relative "
+    "advantage. Without --config the embedded default runs (GRPO on arithmetic with SmolLM2-135M-Instruct)."
+)
+
+
+def build_parser(
+    prog: str = "posttrain grpo",
+    description: str = GRPO_DESCRIPTION,
+    recipes: str = "default, dr_grpo, gspo",
+) -> argparse.ArgumentParser:
+    """The command's arguments (shared by ``grpo`` and ``opd``)."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Online GRPO post-training: sample groups of completions, score them, train on the "
-        "group-relative advantage. Without --config the embedded default runs (GRPO on arithmetic with "
-        "SmolLM2-135M-Instruct).",
+        description=description,
         epilog="Overrides: after `--`, dotted keys with YAML values, e.g. "
         "`-- rl.max_steps=5 grid.shapes.policy=[1,2] rl.data.path=null`.",
     )
     parser.add_argument(
         "--config",
         metavar="RECIPE",
-        help="a recipe .py file defining make_config(), or the name of a shipped recipe (default, dr_grpo, gspo)",
+        help=f"a recipe .py file defining make_config(), or the name of a shipped recipe ({recipes})",
     )
     parser.add_argument(
         "--validate-manifest",
@@ -50,18 +60,45 @@ def build_parser(prog: str = "posttrain grpo") -> argparse.ArgumentParser:
     return parser
 
 
-def validate_manifest(config_arg: str | None, overrides: list[str]) -> int:
+@dataclass(frozen=True)
+class Command:
+    """What differs between the GRPO and OPD entry points: the config class, its preflight, its loop
+    (given as import paths, so that ``--help`` and ``--validate-manifest`` import no torch)."""
+
+    config_class: str = "posttrain.config.schema:GRPOConfig"
+    preflight: str = "posttrain.config.validate:preflight"
+    train: str = "posttrain.loop.grpo:train"
+    description: str = GRPO_DESCRIPTION
+    recipes: str = "default, dr_grpo, gspo"
+
+    def load(self, attr: str) -> Any:
+        module, _, name = getattr(self, attr).partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+GRPO_COMMAND = Command()
+
+
+def _summary(cfg: GRPOConfig) -> str:
+    rl = cfg.rl
+    return (
+        f"algorithm={cfg.algorithm} model={cfg.model.name_or_path} reward={rl.reward} "
+        f"data={rl.data.kind} steps={rl.max_steps} batch={rl.batch_per_replica} group={rl.group_size}"
+    )
+
+
+def validate_manifest(config_arg: str | None, overrides: list[str], command: Command = GRPO_COMMAND) -> int:
     """Print every problem of the recipe; 0 when it is valid."""
     from posttrain.config.loading import build_config, build_config_best_effort
-    from posttrain.config.validate import preflight
 
+    config_type, preflight = command.load("config_class"), command.load("preflight")
     problems: list[str] = []
     cfg: GRPOConfig | None
     try:
-        cfg = build_config(config_arg, overrides)
+        cfg = build_config(config_arg, overrides, config_type)
     except ConfigError as exc:
         problems = list(exc.problems)
-        cfg = build_config_best_effort(config_arg, overrides)
+        cfg = build_config_best_effort(config_arg, overrides, config_type)
     if cfg is not None:
         findings = preflight(cfg)
         for warning in findings.warnings:
@@ -72,34 +109,27 @@ def validate_manifest(config_arg: str | None, overrides: list[str]) -> int:
         for problem in problems:
             print(f"  - {problem}", file=sys.stderr)
         return 1
-    rl = cfg.rl
-    print(
-        f"manifest OK: algorithm={cfg.algorithm} model={cfg.model.name_or_path} reward={rl.reward} "
-        f"data={rl.data.kind} steps={rl.max_steps} batch={rl.batch_per_replica} group={rl.group_size}"
-    )
+    print(f"manifest OK: {_summary(cfg)}")
     return 0
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "posttrain grpo") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "posttrain grpo", command: Command = GRPO_COMMAND) -> int:
     """Entry point; returns the process exit status."""
     head, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
-    args = build_parser(prog).parse_args(head)
+    args = build_parser(prog, command.description, command.recipes).parse_args(head)
     overrides = list(args.overrides) + overrides
     if args.validate_manifest:
-        return validate_manifest(args.config, overrides)
+        return validate_manifest(args.config, overrides, command)
     try:
         from posttrain.config.loading import build_config
-        from posttrain.config.validate import preflight
 
-        cfg = build_config(args.config, overrides)
-        findings = preflight(cfg)
+        cfg = build_config(args.config, overrides, command.load("config_class"))
+        findings = command.load("preflight")(cfg)
         for warning in findings.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         if findings.errors:
             raise ConfigError(findings.errors)
-        from posttrain.loop.grpo import train
-
-        train(cfg, argv=list(sys.argv if argv is None else argv))
+        command.load("train")(cfg, argv=list(sys.argv if argv is None else argv))
     except PosttrainError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -251,7 +252,7 @@ def build_engine(cfg: GRPOConfig, model: Any, tokenizer: Any, log: MetricsLogger
     return engine
 
 
-def start_run(cfg: GRPOConfig, argv: list[str]) -> Run:
+def start_run(cfg: GRPOConfig, argv: list[str], trainer_class: type[PolicyTrainer] = PolicyTrainer) -> Run:
     """Run directory, provenance, sinks, data, reward, model, engine and trainer (data and reward
     first: a malformed file or an unknown reward fails before minutes go into loading a model)."""
     run_dir = create_run_dir(cfg)
@@ -283,7 +284,7 @@ def start_run(cfg: GRPOConfig, argv: list[str]) -> Run:
     engine = build_engine(cfg, model, tokenizer, log)
     roles = Roles(data=data, engine=engine, reward=reward, tokenizer=tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    trainer = PolicyTrainer(model, cfg, pad_id=pad_id, ref_model=build_reference(model, cfg))
+    trainer = trainer_class(model, cfg, pad_id=pad_id, ref_model=build_reference(model, cfg))
     return Run(cfg, run_dir, log, roles, trainer, resume_identity(cfg), tokenizer)
 
 
@@ -325,10 +326,34 @@ def save(run: Run, writer: CheckpointWriter, step: int) -> None:
     run.log.info(f"checkpoint: {path}")
 
 
+def grpo_batch(cfg: GRPOConfig, roles: Roles, timer: StepTimer) -> tuple[TrainBatch, dict[str, float]]:
+    """One GRPO collected batch as the trainer's input, and its rollout metrics."""
+    with timer.phase("rollout"):
+        collected, sampling_metrics = collect(cfg, roles)
+    return to_train_batch(cfg, collected), {**rollout_metrics(collected), **sampling_metrics}
+
+
+MakeBatch = Callable[[StepTimer], tuple[TrainBatch, dict[str, float]]]
+
+
 def train(cfg: GRPOConfig, argv: list[str] | None = None) -> Path:
     """Run GRPO as configured; returns the run directory."""
     run = start_run(cfg, argv or [])
-    rl, log, trainer, roles = cfg.rl, run.log, run.trainer, run.roles
+    rl = cfg.rl
+    headline = (
+        f"GRPO ({cfg.algorithm}): {rl.max_steps} steps x {rl.groups_per_step} prompts x {rl.group_size} "
+        f"samples, reward={rl.reward}, data={rl.data.kind}, n_mini={rl.n_mini}, lr={rl.optimizer.lr:g}"
+    )
+    if quota_line := dynamic_sampling_log_line(rl):
+        headline += f"\n{quota_line}"
+    return run_loop(run, lambda timer: grpo_batch(cfg, run.roles, timer), headline)
+
+
+def run_loop(run: Run, make_batch: MakeBatch, headline: str) -> Path:
+    """The online loop shared by GRPO and OPD: per collected batch, build the trainer's batch, update
+    the policy, publish the weights to the rollout engine, log one frame, checkpoint on cadence."""
+    cfg, log, trainer, roles = run.cfg, run.log, run.trainer, run.roles
+    rl = cfg.rl
     writer = CheckpointWriter(
         run.run_dir / "checkpoints",
         fmt=rl.checkpoint_format,
@@ -337,22 +362,17 @@ def train(cfg: GRPOConfig, argv: list[str] | None = None) -> Path:
         async_save=rl.save_async,
     )
     done = restore(run)
-    log.info(
-        f"GRPO ({cfg.algorithm}): {rl.max_steps} steps x {rl.groups_per_step} prompts x {rl.group_size} "
-        f"samples, reward={rl.reward}, data={rl.data.kind}, n_mini={rl.n_mini}, lr={rl.optimizer.lr:g}"
-    )
-    if quota_line := dynamic_sampling_log_line(rl):
-        log.info(quota_line)
+    for line in headline.splitlines():
+        log.info(line)
     timer = StepTimer()
     with GracefulStop() as stop, writer, log:
         for step in range(done + 1, rl.max_steps + 1):
-            with timer.phase("rollout"):
-                collected, sampling_metrics = collect(cfg, roles)
+            batch, batch_metrics = make_batch(timer)
             with timer.phase("train"):
-                train_metrics = trainer.train_on(to_train_batch(cfg, collected), step)
+                train_metrics = trainer.train_on(batch, step)
             with timer.phase("weight_sync"):
                 roles.engine.load_weights(None, version=trainer.optimizer_step)
-            log.log(step, {**rollout_metrics(collected), **sampling_metrics, **train_metrics, **timer.frame()})
+            log.log(step, {**batch_metrics, **train_metrics, **timer.frame()})
             if stop.requested or (rl.save_every and (step % rl.save_every == 0 or step == rl.max_steps)):
                 save(run, writer, step)
             if stop.requested:

@@ -23,6 +23,9 @@ CONSOLE_KEYS: tuple[str, ...] = (
     "train/kl_max",
     "train/clip_frac",
     "train/grpo_informative_group_count",
+    "train/opd_divergence",
+    "train/opd_teacher_credit",
+    "train/opd_dpca_chunk_gap",
     "train/response_len_mean",
     "timer/e2e_step_s",
 )

@@ -47,6 +47,12 @@ class TrainBatch:
     group_size: int = 1
     head_ids: list[list[list[int]]] | None = None
     head_logprobs: list[list[list[float]]] | None = None
+    token_advantages: list[list[float]] | None = None
+    """Per completion, one advantage per generated token (OPD advantage mode); replaces ``advantages_B``."""
+    teacher_topk_ids: list[list[list[int]]] | None = None
+    """OPD direct mode: per completion, per generated token, the teacher's top-k ids."""
+    teacher_topk_logprobs: list[list[list[float]]] | None = None
+    """OPD direct mode: their teacher logprobs."""
 
 
 def objective_spec(cfg: GRPOConfig) -> ObjectiveSpec:
@@ -108,6 +114,14 @@ class PolicyTrainer:
     """Owns the optimizer and performs the updates of one collected batch."""
 
     def __init__(self, model: nn.Module, cfg: GRPOConfig, *, pad_id: int, ref_model: nn.Module | None = None):
+        from posttrain.policy.distributed import DataParallel, cell_config
+
+        # An FSDP2-sharded policy (policy.distributed.shard_policy): this rank trains one data cell
+        # (its batch sizes are the cell's) and reduces counts, norms and metrics over all policy
+        # ranks. None for a plain model: the single-process path below is unchanged.
+        self.dp = DataParallel.of(model)
+        if self.dp is not None:
+            cfg = cell_config(cfg, self.dp.size)
         self.model = model
         self.cfg = cfg
         self.pad_id = pad_id
@@ -258,7 +272,13 @@ class PolicyTrainer:
         sampler_BT = _pad_rows(
             [torch.tensor(batch.sampler_logprobs[i], dtype=torch.float32) for i in rows], width, self.device
         )
+        token_adv_BT = None
+        if batch.token_advantages is not None:
+            token_adv_BT = _pad_rows(
+                [torch.tensor(batch.token_advantages[i], dtype=torch.float32) for i in rows], width, self.device
+            )
         return LossInputs(
+            token_advantages_BT=token_adv_BT,
             logprobs_BT=logprobs_BT,
             old_logprobs_BT=old_BT,
             advantages_B=batch.advantages_B[rows].to(self.device).float(),
@@ -267,6 +287,10 @@ class PolicyTrainer:
             sampler_logprobs_BT=sampler_BT,
             **heads,
         )
+
+    def _loss(self, inputs: LossInputs, norm: LossNormalizer) -> tuple[torch.Tensor, LossStats]:
+        """This micro-batch's share of the step loss (subclasses swap the objective, e.g. distillation)."""
+        return policy_loss(inputs, self.spec, norm)
 
     def _probe(self, inputs: LossInputs, step: int) -> None:
         """pi_old must equal the first mini-batch's current logprobs: the policy has not moved yet."""
@@ -282,6 +306,8 @@ class PolicyTrainer:
     # -- the update ----------------------------------------------------------------------------
     def train_on(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """All optimizer steps of one collected batch; returns the batch's training metrics."""
+        if self.dp is not None:
+            self.dp.check_cells(len(batch.completion_ids))  # unequal cells would desync the collectives
         old = self._old_logprobs(batch)
         probe = old is not None and not self.cfg.rl.use_rollout_logprobs_for_loss
         self.model.train()
@@ -293,6 +319,8 @@ class PolicyTrainer:
                 [len(batch.completion_ids[i]) for i in mini], dtype=torch.float32, device=self.device
             )
             norm = LossNormalizer(num_tokens=(lengths * in_loss).sum(), num_seqs=in_loss.sum())
+            if self.dp is not None:
+                norm = self.dp.global_normalizer(norm)  # counts of the whole step, all ranks
             loss_sum = torch.zeros((), device=self.device)
             for rows in self._micro_batches(batch, mini):
                 pb = self._model_batch(batch, rows)
@@ -300,13 +328,16 @@ class PolicyTrainer:
                 if probe:
                     self._probe(inputs, step)
                     probe = False
-                loss, stats = policy_loss(inputs, self.spec, norm)
+                loss, stats = self._loss(inputs, norm)
                 loss.backward()
                 loss_sum += loss.detach()
                 totals = stats if totals is None else totals.merge(stats)
             grad_norms.append(self._optimizer_step(step))
             losses.append(loss_sum)
         self.model.eval()
+        if self.dp is not None and totals is not None:
+            totals = self.dp.merge_stats(totals)
+            losses = list(self.dp.sum(torch.stack(losses)))  # each rank's loss is its share of the step's
         metrics = {k: float(v) for k, v in (totals.to_metrics() if totals else {}).items()}
         metrics["train/loss_avg"] = float(torch.stack(losses).mean())
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -319,12 +350,15 @@ class PolicyTrainer:
         """Clip, check, step. A non-finite gradient or update is fatal; an exactly-zero one is skipped."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.cfg.rl.optimizer.grad_clip_norm or float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # one host sync per step
+        if self.dp is None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # one host sync per step
+        else:
+            # the global norm, the same float on every rank: the skip and abort below agree everywhere
+            grad_norm = self.dp.clip_grad_norm(params, max_norm)
         if not torch.isfinite(torch.tensor(grad_norm)):
-            bad = next(
-                (self._param_names[id(p)] for p in params if p.grad is not None and not torch.isfinite(p.grad).all()),
-                "?",
-            )
+            from posttrain.policy.distributed import first_nonfinite  # error path only
+
+            bad = first_nonfinite([(self._param_names[id(p)], p.grad) for p in params])
             raise TrainingError(
                 f"step {step}: non-finite gradient (grad_norm={grad_norm}) first seen in parameter {bad}; "
                 "the update was not applied. Lower rl.optimizer.lr, set rl.kl_coeff_clamp, or check the data"
@@ -334,12 +368,21 @@ class PolicyTrainer:
             self.zero_grad_skips_total += 1
             self.optimizer.zero_grad(set_to_none=True)
             return grad_norm
+        if self.dp is not None:
+            self.dp.reshard(self.model)  # no gathered copy may outlive the shards it was gathered from
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.optimizer_step += 1
-        if not torch.isfinite(torch.stack(torch._foreach_norm(list[torch.Tensor](params)))).all():
-            bad = next((self._param_names[id(p)] for p in params if not torch.isfinite(p).all()), "?")
+        weights = list[torch.Tensor](params)
+        if self.dp is None:
+            finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(weights))).all())
+        else:
+            finite = self.dp.all_finite(weights)  # one verdict for all ranks, or some would step on
+        if not finite:
+            from posttrain.policy.distributed import first_nonfinite  # error path only
+
+            bad = first_nonfinite([(self._param_names[id(p)], p) for p in params])
             raise TrainingError(
                 f"step {step}: the optimizer step produced non-finite weights in parameter {bad} "
                 f"(optimizer {self.cfg.rl.optimizer.name}); resume from the last checkpoint with a lower lr"

@@ -1,0 +1,1 @@
+"""The frozen teacher role of on-policy distillation: scoring engines, prompt rendering, signals."""

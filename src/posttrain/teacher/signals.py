@@ -1,0 +1,228 @@
+"""From a collected batch to the teacher's training signal: requests, bounded retries, credit.
+
+One call of ``TeacherSignals.score`` turns the student's completions into teacher requests (the
+student's own ids for a same-vocabulary teacher; the teacher's rendering of the prompt plus its own
+tokenization of the completion text for a cross-tokenizer one), scores them all-or-nothing with a
+bounded number of attempts (an engine error or an invalid payload fails the attempt, never one
+sequence), and returns per completion either the teacher's top-k (direct mode) or a per-token
+credit (advantage mode), with the spec's ``train/opd_*`` metrics. Nothing reaches the trainer
+until the whole batch is valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.algorithm.distillation import TeacherPayloadError, validate_teacher_topk
+from posttrain.algorithm.dpca import DpcaStats, align_chunks, dpca_credit, eos_chunk
+from posttrain.config.opd import OPDConfig
+from posttrain.rollout.base import Completion, RolloutBatch
+from posttrain.teacher.base import ScoreRequest, SequenceScores, Teacher, TeacherError
+from posttrain.teacher.render import render_teacher_prefix
+from posttrain.teacher.text_offsets import token_end_offsets
+
+
+@dataclass
+class CrossTokenView:
+    """One completion as the cross-tokenizer teacher sees it."""
+
+    student_body: list[int]
+    """The student's completion ids without a trailing EOS."""
+    teacher_body: list[int]
+    """The teacher's tokenization of the same text."""
+    text: str
+    has_eos: bool
+
+
+@dataclass
+class TeacherSignal:
+    """The teacher's contribution to one collected batch."""
+
+    topk_ids: list[list[list[int]]] | None = None
+    topk_logprobs: list[list[list[float]]] | None = None
+    credit: list[list[float]] | None = None
+    """Per completion, per student token, the teacher credit before ``kl_penalty_coef``."""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ScoreCounters:
+    """Teacher attempts of one step (the spec's request / success / failure counts)."""
+
+    request: int = 0
+    success: int = 0
+    failure: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "train/opd_teacher_score_request_count": float(self.request),
+            "train/opd_teacher_score_success_count": float(self.success),
+            "train/opd_teacher_score_failure_count": float(self.failure),
+        }
+
+
+class TeacherSignals:
+    """Builds the teacher signal of each collected batch for one configured teacher."""
+
+    def __init__(self, cfg: OPDConfig, teacher: Teacher, student_tokenizer: Any, student_vocab_size: int) -> None:
+        self.cfg = cfg
+        self.teacher = teacher
+        self.student_tokenizer = student_tokenizer
+        self.student_vocab_size = student_vocab_size
+        self.cross = cfg.rl.teacher.input_mode == "cross_token_text"
+        teacher_eos = _eos_ids(teacher.tokenizer)
+        self.teacher_eos = teacher_eos[0] if teacher_eos else None
+
+    # -- requests ---------------------------------------------------------------------------------
+    def _cross_view(self, completion: Completion) -> CrossTokenView:
+        ids = list(completion.token_ids)
+        # The engines end a stopped completion with the EOS id that stopped it (rollout.base contract).
+        has_eos = bool(ids) and completion.finish_reason == "stop"
+        body = ids[:-1] if has_eos else ids
+        text = self.student_tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        teacher_body = list(self.teacher.tokenizer(text, add_special_tokens=False)["input_ids"])
+        back = self.teacher.tokenizer.decode(
+            teacher_body, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        if back != text:
+            raise TeacherError(
+                f"the teacher tokenizer does not reproduce the student's completion text exactly "
+                f"({text[:60]!r} -> {back[:60]!r}); DPCA needs a lossless teacher tokenizer"
+            )
+        return CrossTokenView(body, teacher_body, text, has_eos)
+
+    def _requests(
+        self, rollout: RolloutBatch, prompts: list[Any]
+    ) -> tuple[list[ScoreRequest], list[CrossTokenView] | None]:
+        if not self.cross:
+            reqs = []
+            for c in rollout.completions:
+                prompt_ids = rollout.prompt_token_ids[c.prompt_index]
+                reqs.append(ScoreRequest(list(prompt_ids) + list(c.token_ids), len(prompt_ids)))
+            return reqs, None
+        t = self.cfg.rl.teacher
+        prefixes = [
+            list(
+                self.teacher.tokenizer(
+                    render_teacher_prefix(
+                        self.teacher.tokenizer,
+                        p,
+                        use_chat_template=t.use_chat_template,
+                        think_prefix=t.conditional_think_prefix,
+                    ),
+                    add_special_tokens=False,
+                )["input_ids"]
+            )
+            for p in prompts
+        ]
+        views = [self._cross_view(c) for c in rollout.completions]
+        reqs = []
+        for c, view in zip(rollout.completions, views, strict=True):
+            tail = [self.teacher_eos] if view.has_eos and self.teacher_eos is not None else []
+            prefix = prefixes[c.prompt_index]
+            reqs.append(ScoreRequest(prefix + view.teacher_body + tail, len(prefix)))
+        return reqs, views
+
+    # -- scoring ----------------------------------------------------------------------------------
+    def score(self, rollout: RolloutBatch, prompts: list[Any]) -> TeacherSignal:
+        """The teacher signal of one collected batch; raises ``TeacherError`` after the last attempt."""
+        counters = ScoreCounters()
+        t = self.cfg.rl.teacher
+        last: Exception | None = None
+        for _ in range(t.max_score_attempts):
+            counters.request += 1
+            try:
+                requests, views = self._requests(rollout, prompts)
+                scores = self.teacher.score(requests, t.top_k if t.signal_mode == "topk" else 0)
+                signal = self._signal(rollout, requests, scores, views)
+            except (TeacherError, TeacherPayloadError, RuntimeError, ValueError) as exc:
+                counters.failure += 1
+                last = exc
+                continue
+            counters.success += 1
+            signal.metrics.update(counters.metrics())
+            signal.metrics["train/opd_teacher_scored_sequences"] = float(len(requests))
+            signal.metrics["train/opd_teacher_scored_tokens"] = float(sum(len(s.logprobs) for s in scores))
+            return signal
+        raise TeacherError(
+            f"teacher scoring failed {counters.failure} time(s) in a row (rl.teacher.max_score_attempts="
+            f"{t.max_score_attempts}); nothing of this batch was trained on. Last error: {last}"
+        )
+
+    def _signal(
+        self,
+        rollout: RolloutBatch,
+        requests: list[ScoreRequest],
+        scores: list[SequenceScores],
+        views: list[CrossTokenView] | None,
+    ) -> TeacherSignal:
+        if len(scores) != len(requests):
+            raise TeacherError(f"the teacher returned {len(scores)} scores for {len(requests)} requests")
+        for n, (req, s) in enumerate(zip(requests, scores, strict=True)):
+            if len(s.logprobs) != len(req.token_ids) - req.score_from:
+                raise TeacherError(f"teacher request {n}: {len(s.logprobs)} scores for {len(req.token_ids)} tokens")
+        if self.cfg.rl.distillation_mode == "direct":
+            return self._direct(scores)
+        if views is not None:
+            return self._dpca(rollout, scores, views)
+        return self._same_token_credit(rollout, scores)
+
+    def _direct(self, scores: list[SequenceScores]) -> TeacherSignal:
+        ids, lps = [], []
+        for s in scores:
+            if s.topk_ids is None or s.topk_logprobs is None:
+                raise TeacherError("direct mode needs the teacher's top-k per position, and the scorer returned none")
+            if s.topk_ids:
+                validate_teacher_topk(
+                    torch.tensor(s.topk_ids, dtype=torch.long),
+                    torch.tensor(s.topk_logprobs, dtype=torch.float64),
+                    self.student_vocab_size,
+                )
+            ids.append(s.topk_ids)
+            lps.append(s.topk_logprobs)
+        return TeacherSignal(topk_ids=ids, topk_logprobs=lps, metrics={})
+
+    def _same_token_credit(self, rollout: RolloutBatch, scores: list[SequenceScores]) -> TeacherSignal:
+        """Legacy same-token advantage: per token, teacher minus rollout logprob of the realized token
+        (a one-sample estimate of the negative reverse KL)."""
+        credit = []
+        for c, s in zip(rollout.completions, scores, strict=True):
+            t_lp = torch.tensor(s.logprobs, dtype=torch.float64)
+            if not torch.isfinite(t_lp).all():
+                raise TeacherError("the teacher returned a non-finite logprob for a realized token")
+            credit.append((t_lp - torch.tensor(c.logprobs, dtype=torch.float64)).tolist())
+        return TeacherSignal(credit=credit)
+
+    def _dpca(self, rollout: RolloutBatch, scores: list[SequenceScores], views: list[CrossTokenView]) -> TeacherSignal:
+        rl = self.cfg.rl
+        credits: list[list[float]] = []
+        totals: DpcaStats | None = None
+        for c, s, view in zip(rollout.completions, scores, views, strict=True):
+            chunks = align_chunks(
+                token_end_offsets(self.student_tokenizer, view.student_body),
+                token_end_offsets(self.teacher.tokenizer, view.teacher_body),
+                view.text,
+                max_chunk_tokens=rl.teacher.dpca_max_chunk_tokens,
+            )
+            if view.has_eos:
+                chunks.append(eos_chunk(len(view.student_body), len(view.teacher_body), len(view.text)))
+            credit, stats = dpca_credit(
+                torch.tensor(c.logprobs, dtype=torch.float64),
+                torch.tensor(s.logprobs, dtype=torch.float64),
+                chunks,
+                n_ignore_prefix_tokens=rl.n_ignore_prefix_tokens,
+            )
+            credits.append(credit.tolist())
+            totals = stats if totals is None else totals.merge(stats)
+        metrics = {k: float(v) for k, v in totals.to_metrics().items()} if totals is not None else {}
+        return TeacherSignal(credit=credits, metrics=metrics)
+
+
+def _eos_ids(tokenizer: Any) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]

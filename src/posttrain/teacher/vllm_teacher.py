@@ -1,0 +1,81 @@
+"""The vLLM teacher scorer: prompt logprobs of the forced sequence, one generated token discarded.
+
+vLLM scores a token sequence by prefilling it with ``prompt_logprobs=K``: for every position it
+returns the realized token's logprob plus the top-K entries (each with its 1-based rank), from the
+raw logits at temperature 1. The request asks for one new token (``max_tokens=1``), which is
+ignored, and for no detokenization.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from posttrain.teacher.base import ScoreRequest, SequenceScores, TeacherError, check_requests
+
+
+def _entry_scores(entry: Any, realized: int, top_k: int) -> tuple[float, list[int], list[float]]:
+    """The realized token's logprob and the top-k (by rank) of one position's logprob dict."""
+    if entry is None or realized not in entry:
+        raise TeacherError(f"vLLM returned no prompt logprob for realized token {realized}")
+    ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None))
+    head = [(tid, lp) for rank, tid, lp in ranked if rank <= top_k][:top_k]
+    return float(entry[realized].logprob), [int(t) for t, _ in head], [float(v) for _, v in head]
+
+
+class VLLMTeacher:
+    """Scores forced sequences with a vLLM ``LLM`` (its own, or one passed in)."""
+
+    def __init__(
+        self,
+        model_dir: str | None = None,
+        *,
+        llm: Any = None,
+        tokenizer: Any = None,
+        gpu_memory_utilization: float = 0.2,
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        dtype: str = "auto",
+    ) -> None:
+        from posttrain.rollout.vllm_engine import import_vllm
+
+        vllm = import_vllm()
+        if llm is None:
+            if model_dir is None:
+                raise TeacherError("VLLMTeacher needs a model directory or an LLM")
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            llm = vllm.LLM(
+                model=model_dir,
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
+                max_model_len=max_model_len,
+                dtype=dtype,
+                enable_prefix_caching=False,
+            )
+        self.llm = llm
+        self.vllm = vllm
+        self.tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
+        self.vocab_size = int(llm.llm_engine.model_config.get_vocab_size())
+        self.max_model_len = max_model_len
+
+    def score(self, requests: list[ScoreRequest], top_k: int) -> list[SequenceScores]:
+        """Teacher scores of every request (see ``teacher.base``)."""
+        check_requests(requests, self.vocab_size, self.max_model_len)
+        params = self.vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_k, detokenize=False)
+        prompts = [{"prompt_token_ids": r.token_ids} for r in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        scores = []
+        for n, (req, out) in enumerate(zip(requests, outputs, strict=True)):
+            entries = out.prompt_logprobs
+            if entries is None or len(entries) != len(req.token_ids):
+                got = None if entries is None else len(entries)
+                raise TeacherError(f"teacher request {n}: vLLM returned {got} prompt logprobs for {len(req.token_ids)}")
+            seq = SequenceScores(logprobs=[], topk_ids=[] if top_k else None, topk_logprobs=[] if top_k else None)
+            for i in range(req.score_from, len(req.token_ids)):
+                lp, ids, lps = _entry_scores(entries[i], req.token_ids[i], top_k)
+                seq.logprobs.append(lp)
+                if seq.topk_ids is not None and seq.topk_logprobs is not None:
+                    seq.topk_ids.append(ids)
+                    seq.topk_logprobs.append(lps)
+            scores.append(seq)
+        return scores

@@ -1,0 +1,211 @@
+"""The teacher role: HF scoring against a plain full-vocabulary forward, all-or-nothing retries and
+their counters, the cross-tokenizer prompt rendering, and the advantage-mode credit."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from posttrain.config.opd import OPDConfig
+from posttrain.data.base import PromptSample
+from posttrain.loop.grpo import Collected
+from posttrain.loop.opd import opd_train_batch
+from posttrain.rollout.base import Completion, RolloutBatch
+from posttrain.teacher.base import ScoreRequest, SequenceScores, TeacherError
+from posttrain.teacher.hf_teacher import HFTeacher
+from posttrain.teacher.render import render_teacher_prefix
+from posttrain.teacher.signals import TeacherSignal, TeacherSignals
+
+
+@pytest.fixture(scope="module")
+def hf_teacher(tiny_model_dir: str) -> HFTeacher:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return HFTeacher(model, AutoTokenizer.from_pretrained(tiny_model_dir), batch_size=2, chunk_tokens=3)
+
+
+def test_hf_teacher_matches_a_plain_forward(hf_teacher: HFTeacher) -> None:
+    requests = [ScoreRequest([5, 17, 300, 42, 9], 2), ScoreRequest([7, 8, 1000], 1), ScoreRequest([11, 12, 13, 14], 3)]
+    scores = hf_teacher.score(requests, top_k=4)
+    for req, got in zip(requests, scores, strict=True):
+        with torch.no_grad():
+            logits = hf_teacher.model(input_ids=torch.tensor([req.token_ids])).logits[0].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        for j, i in enumerate(range(req.score_from, len(req.token_ids))):
+            assert got.logprobs[j] == pytest.approx(float(logp[i - 1, req.token_ids[i]]), abs=1e-5)
+            values, indices = logp[i - 1].topk(4)
+            assert got.topk_ids is not None and got.topk_logprobs is not None
+            assert got.topk_ids[j] == indices.tolist()
+            assert got.topk_logprobs[j] == pytest.approx(values.tolist(), abs=1e-5)
+
+
+def test_hf_teacher_refuses_unscorable_requests(hf_teacher: HFTeacher) -> None:
+    with pytest.raises(TeacherError, match="score_from=3 must lie inside"):
+        hf_teacher.score([ScoreRequest([1, 2, 3], 3)], top_k=0)
+    with pytest.raises(TeacherError, match="outside the teacher vocabulary"):
+        hf_teacher.score([ScoreRequest([1, 2, 10**7], 1)], top_k=0)
+    hf_teacher.max_model_len = 4
+    try:
+        with pytest.raises(TeacherError, match=r"rl\.teacher\.max_model_len=4"):
+            hf_teacher.score([ScoreRequest([1, 2, 3, 4, 5], 2)], top_k=0)
+    finally:
+        hf_teacher.max_model_len = None
+
+
+class ScriptedTeacher:
+    """A teacher whose attempts fail or return a chosen payload, in order."""
+
+    def __init__(self, tokenizer: Any, outcomes: list[Any]) -> None:
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, 100, None
+        self.outcomes = outcomes
+
+    def score(self, requests: list[ScoreRequest], top_k: int) -> list[SequenceScores]:
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return [outcome(req) for req in requests]
+
+
+def _cfg(*overrides: str) -> OPDConfig:
+    from posttrain.config.loading import apply_overrides, parse_overrides
+
+    cfg = OPDConfig()
+    cfg.rl.teacher.name_or_path = "x"
+    return apply_overrides(cfg, parse_overrides(overrides)) if overrides else cfg  # type: ignore[return-value]
+
+
+def _rollout() -> RolloutBatch:
+    comps = [Completion(0, [3, 4], [-1.0, -2.0], "stop"), Completion(0, [5], [-0.5], "length")]
+    return RolloutBatch(prompt_token_ids=[[1, 2]], completions=comps)
+
+
+def _good(req: ScoreRequest) -> SequenceScores:
+    n = len(req.token_ids) - req.score_from
+    return SequenceScores([-1.0] * n, [[7, 8]] * n, [[math.log(0.5), math.log(0.25)]] * n)
+
+
+def _duplicate_ids(req: ScoreRequest) -> SequenceScores:
+    n = len(req.token_ids) - req.score_from
+    return SequenceScores([-1.0] * n, [[7, 7]] * n, [[math.log(0.5), math.log(0.25)]] * n)
+
+
+def test_a_failed_attempt_is_retried_and_counted(smollm2_tokenizer_dir: str) -> None:
+    teacher = ScriptedTeacher(smollm2_tokenizer_dir, [RuntimeError("engine hiccup"), _good])
+    signal = TeacherSignals(_cfg("rl.teacher.top_k=2"), teacher, None, 100).score(_rollout(), ["q"])
+    assert signal.metrics["train/opd_teacher_score_request_count"] == 2
+    assert signal.metrics["train/opd_teacher_score_success_count"] == 1
+    assert signal.metrics["train/opd_teacher_score_failure_count"] == 1
+    assert signal.metrics["train/opd_teacher_scored_sequences"] == 2
+    assert signal.metrics["train/opd_teacher_scored_tokens"] == 3
+    assert signal.topk_ids == [[[7, 8], [7, 8]], [[7, 8]]]
+
+
+def test_an_invalid_payload_fails_the_whole_batch(smollm2_tokenizer_dir: str) -> None:
+    teacher = ScriptedTeacher(smollm2_tokenizer_dir, [_duplicate_ids, _duplicate_ids])
+    with pytest.raises(TeacherError, match="failed 2 time") as err:
+        TeacherSignals(_cfg("rl.teacher.top_k=2"), teacher, None, 100).score(_rollout(), ["q"])
+    assert "duplicate" in str(err.value).lower()
+    teacher = ScriptedTeacher(smollm2_tokenizer_dir, [lambda req: SequenceScores([-1.0], [[7, 8]], [[-0.1, -0.2]])] * 2)
+    with pytest.raises(TeacherError, match="scores for"):  # one score for a 2-token completion
+        TeacherSignals(_cfg("rl.teacher.top_k=2"), teacher, None, 100).score(_rollout(), ["q"])
+
+
+def test_same_token_advantage_credit_and_prefix(smollm2_tokenizer_dir: str) -> None:
+    cfg = _cfg(
+        "rl.distillation_mode=advantage",
+        "rl.jsd_beta=null",
+        "rl.kl_penalty_coef=0.5",
+        "rl.n_ignore_prefix_tokens=1",
+        "rl.group_size=2",
+        "rl.batch_per_replica=2",
+    )
+    teacher = ScriptedTeacher(smollm2_tokenizer_dir, [lambda req: SequenceScores([-0.25] * (len(req.token_ids) - 2))])
+    signal = TeacherSignals(cfg, teacher, None, 100).score(_rollout(), ["q"])
+    # teacher minus rollout logprob of each realized token
+    assert signal.credit == [[0.75, 1.75], [0.25]]
+    collected = Collected(
+        prompts=[PromptSample("q")],
+        rollout=_rollout(),
+        rewards_NG=torch.tensor([[1.0, 0.0]]),
+        advantages_NG=torch.tensor([[0.7, -0.7]]),
+    )
+    batch, metrics = opd_train_batch(cfg, collected, signal)
+    # A(t) = A_reward + 0.5 * credit, with the first token of each completion carrying no credit
+    assert batch.token_advantages == [
+        pytest.approx([0.7, 0.7 + 0.5 * 1.75]),
+        pytest.approx([-0.7]),
+    ]
+    assert metrics["train/opd_teacher_credit"] == pytest.approx(1.75)  # one counted token
+    assert metrics["train/opd_advantage"] == pytest.approx((0.7 + 0.7 + 0.875 - 0.7) / 3)
+
+
+def test_direct_signal_goes_to_the_batch(smollm2_tokenizer_dir: str) -> None:
+    cfg = _cfg("rl.group_size=2", "rl.batch_per_replica=2")
+    collected = Collected([PromptSample("q")], _rollout(), torch.zeros(1, 2), torch.zeros(1, 2))
+    signal = TeacherSignal(topk_ids=[[[1]], [[2]]], topk_logprobs=[[[-0.1]], [[-0.2]]])
+    batch, metrics = opd_train_batch(cfg, collected, signal)
+    assert batch.teacher_topk_ids == [[[1]], [[2]]] and batch.token_advantages is None and metrics == {}
+
+
+class ThinkTemplate:
+    """A tokenizer stand-in whose template always ends with an empty closed think block."""
+
+    chat_template = "x"
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **_: Any) -> str:
+        return f"<|user|>{messages[-1]['content']}<|assistant|><think>\n\n</think>\n\n"
+
+
+def test_think_prefix_appears_exactly_once() -> None:
+    prefix = "<think>\n\n</think>\n\n"
+    text = render_teacher_prefix(ThinkTemplate(), "2+2?", use_chat_template=True, think_prefix=prefix)
+    assert text == "<|user|>2+2?<|assistant|>" + prefix and text.count(prefix) == 1
+    other = render_teacher_prefix(ThinkTemplate(), "2+2?", use_chat_template=True, think_prefix="Answer: ")
+    assert other == "<|user|>2+2?<|assistant|>Answer: "
+    with pytest.raises(TeacherError, match="duplicated"):
+        render_teacher_prefix(ThinkTemplate(), "say Answer: now", use_chat_template=True, think_prefix="Answer: ")
+    # without a prefix the template's own rendering is kept as is
+    plain = render_teacher_prefix(ThinkTemplate(), "2+2?", use_chat_template=True, think_prefix=None)
+    assert plain.endswith("</think>\n\n")
+
+
+def test_cross_token_requests_use_the_teachers_tokenization(smollm2_tokenizer_dir: str, tiny_model_dir: str) -> None:
+    from transformers import AutoTokenizer
+
+    student = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    eos = student.eos_token_id
+    body = student("  héllo wörld 12", add_special_tokens=False)["input_ids"]
+    rollout = RolloutBatch(
+        prompt_token_ids=[[1, 2]],
+        completions=[Completion(0, [*body, eos], [-1.0] * (len(body) + 1), "stop")],
+    )
+    cfg = _cfg(
+        "rl.teacher.input_mode=cross_token_text",
+        "rl.teacher.signal_mode=dpca",
+        "rl.teacher.top_k=0",
+        "rl.distillation_mode=advantage",
+        "rl.jsd_beta=null",
+    )
+    seen: list[ScoreRequest] = []
+
+    def record(req: ScoreRequest) -> SequenceScores:
+        seen.append(req)
+        return SequenceScores([-2.0] * (len(req.token_ids) - req.score_from))
+
+    teacher = ScriptedTeacher(student, [record])
+    teacher.vocab_size = len(student)
+    signal = TeacherSignals(cfg, teacher, student, len(student)).score(rollout, ["hi"])
+    prefix = student.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    req = seen[0]
+    assert student.decode(req.token_ids[: req.score_from]) == prefix
+    assert req.token_ids[req.score_from :] == [*body, eos]  # same tokenizer: identical ids, EOS paired
+    # identical tokenizations: one chunk per token, each credit = L_T - L_S of that token
+    assert signal.credit == [pytest.approx([-1.0] * (len(body) + 1))]
+    assert signal.metrics["train/opd_dpca_coverage"] == 1.0
+    assert signal.metrics["train/opd_dpca_chunk_count"] == len(body) + 1
