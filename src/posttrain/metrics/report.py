@@ -30,6 +30,13 @@ PANELS: tuple[tuple[str, str, str | None], ...] = (
     # (main key, panel title, optional second key drawn dashed on the same axes)
     (REWARD_KEY, "reward mean (line: rolling mean)", None),
     ("train/grpo_informative_group_count", "informative groups", None),
+    ("train/opd_divergence", "OPD teacher divergence (JSD)", None),
+    ("train/opd_dpca_chunk_gap", "DPCA chunk gap L_S - L_T", None),
+    (
+        "train/opd_dpca_teacher_chunk_logprob",
+        "DPCA chunk logprob: teacher (dashed: student)",
+        "train/opd_dpca_student_chunk_logprob",
+    ),
     ("train/kl_mean", "KL to reference (mean; dashed: max)", "train/kl_max"),
     ("train/clip_frac", "clip fraction", None),
     ("train/response_len_mean", "response length (mean; dashed: max)", "train/response_len_max"),
@@ -172,13 +179,20 @@ def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], lis
     return xs, ys
 
 
+def _drawn(records: Sequence[dict[str, Any]], key: str) -> bool:
+    """A panel is drawn when its key was logged and, except the reward, is not zero throughout (an
+    OPD run's clip fraction, or a distillation divergence of an advantage-mode run, says nothing)."""
+    ys = _series(records, key)[1]
+    return bool(ys) and (key == REWARD_KEY or any(y != 0 for y in ys))
+
+
 def _draw(records: Sequence[dict[str, Any]], out_png: Path, title: str) -> None:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         raise ReportError("the run report needs matplotlib: pip install 'posttrain[report]'") from None
-    panels = [p for p in PANELS if _series(records, p[0])[0]]
+    panels = [p for p in PANELS if _drawn(records, p[0])]
     ncols = 3 if len(panels) > 4 else 2
     nrows = max(1, math.ceil(len(panels) / ncols))
     fig = Figure(figsize=(4.2 * ncols, 3.2 * nrows + 0.6), layout="constrained")
