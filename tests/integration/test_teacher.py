@@ -209,3 +209,65 @@ def test_cross_token_requests_use_the_teachers_tokenization(smollm2_tokenizer_di
     assert signal.credit == [pytest.approx([-1.0] * (len(body) + 1))]
     assert signal.metrics["train/opd_dpca_coverage"] == 1.0
     assert signal.metrics["train/opd_dpca_chunk_count"] == len(body) + 1
+
+
+def _direct_batch(teacher: HFTeacher, top_k: int) -> Any:
+    """A two-completion batch with the teacher's own top-k attached."""
+    from posttrain.policy.trainer import TrainBatch
+
+    prompts, completions = [[5, 17, 300], [7, 8]], [[42, 9, 11, 12], [1000, 3]]
+    scores = teacher.score([ScoreRequest(p + c, len(p)) for p, c in zip(prompts, completions, strict=True)], top_k)
+    return TrainBatch(
+        prompt_ids=prompts,
+        completion_ids=completions,
+        advantages_B=torch.zeros(2),
+        in_loss_B=torch.ones(2, dtype=torch.bool),
+        sampler_logprobs=[s.logprobs for s in scores],
+        teacher_topk_ids=[s.topk_ids for s in scores],  # type: ignore[misc]
+        teacher_topk_logprobs=[s.topk_logprobs for s in scores],  # type: ignore[misc]
+    )
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_direct_opd_fixed_point_and_micro_batch_invariance(tiny_model_dir: str, beta: float) -> None:
+    """A student equal to its teacher has zero divergence; a different student's divergence and
+    gradient do not depend on how the batch is split into micro-batches."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.policy.distill_trainer import DistillationTrainer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    teacher_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    teacher = HFTeacher(teacher_model, tok)
+    batch = _direct_batch(teacher, top_k=5)
+
+    def one_step(student_seed: int | None, micro: int | None) -> tuple[dict[str, float], list[torch.Tensor]]:
+        student = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        if student_seed is not None:
+            with torch.no_grad():
+                g = torch.Generator().manual_seed(student_seed)
+                for p in student.parameters():
+                    p.add_(0.5 * torch.randn(p.shape, generator=g))
+        cfg = _cfg(
+            "rl.group_size=1", "rl.batch_per_replica=2", f"rl.jsd_beta={beta}", "model.share_prompt_prefix=false"
+        )
+        if micro is not None:
+            cfg.rl.micro_batch_per_replica = micro
+        trainer = DistillationTrainer(student, cfg, pad_id=0)
+        grads: list[torch.Tensor] = []
+        trainer._optimizer_step = lambda step: (
+            grads.extend(  # type: ignore[method-assign]
+                p.grad.clone() for p in student.parameters() if p.grad is not None
+            )
+            or 1.0
+        )
+        return trainer.train_on(batch, 1), grads
+
+    same, _ = one_step(None, None)
+    assert same["train/opd_divergence"] < 1e-5
+    whole, g_whole = one_step(3, None)
+    split, g_split = one_step(3, 1)
+    assert whole["train/opd_divergence"] > max(1e-5, 100 * same["train/opd_divergence"]), (whole, same)
+    assert split["train/opd_divergence"] == pytest.approx(whole["train/opd_divergence"], rel=1e-5)
+    for a, b in zip(g_whole, g_split, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)

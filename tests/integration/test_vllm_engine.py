@@ -221,24 +221,6 @@ def test_incomplete_transfer_is_refused_before_writing(engine: VLLMRolloutEngine
     assert len(engine.generate(prompts, 1, SamplingParams(max_tokens=2)).completions) == 3
 
 
-def test_failed_transfer_poisons_the_engine(engine: VLLMRolloutEngine, base_model, prompts) -> None:
-    """A tensor of the wrong shape midway: load_weights raises, the version stays, generate refuses
-    with the resume hint. Must stay the module's last test: a failed vLLM reload leaves the model
-    unusable (even good weights no longer load), which is why the engine refuses to go on."""
-    good = base_model.state_dict()
-    engine.load_weights(good, version=3)
-    names = list(good)
-    broken = [(name, good[name]) for name in names]
-    broken[len(names) // 2] = (names[len(names) // 2], torch.zeros(3, 3))
-    with pytest.raises(TrainingError, match="version 4 failed"):
-        engine.load_weights(broken, version=4)
-    assert engine.weight_version == 3
-    with pytest.raises(TrainingError, match="Resume from the last checkpoint"):
-        engine.generate(prompts, 1, SamplingParams(max_tokens=2))
-    with pytest.raises(TrainingError, match="cannot be used"):
-        engine.load_weights(good, version=5)
-
-
 def test_vllm_teacher_scores_equal_the_hf_teacher(fresh: VLLMRolloutEngine, base_model, tokenizer, prompts) -> None:
     """OPD's vLLM teacher path (prompt logprobs of a forced sequence) on the shared engine agrees with
     the transformers teacher on the same weights: realized-token logprobs and the top-k head."""
@@ -257,3 +239,21 @@ def test_vllm_teacher_scores_equal_the_hf_teacher(fresh: VLLMRolloutEngine, base
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=1e-4)
         assert g.topk_ids == w.topk_ids
         torch.testing.assert_close(torch.tensor(g.topk_logprobs), torch.tensor(w.topk_logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_failed_transfer_poisons_the_engine(engine: VLLMRolloutEngine, base_model, prompts) -> None:
+    """A tensor of the wrong shape midway: load_weights raises, the version stays, generate refuses
+    with the resume hint. Must stay the module's last test: a failed vLLM reload leaves the model
+    unusable (even good weights no longer load), which is why the engine refuses to go on."""
+    good = base_model.state_dict()
+    engine.load_weights(good, version=3)
+    names = list(good)
+    broken = [(name, good[name]) for name in names]
+    broken[len(names) // 2] = (names[len(names) // 2], torch.zeros(3, 3))
+    with pytest.raises(TrainingError, match="version 4 failed"):
+        engine.load_weights(broken, version=4)
+    assert engine.weight_version == 3
+    with pytest.raises(TrainingError, match="Resume from the last checkpoint"):
+        engine.generate(prompts, 1, SamplingParams(max_tokens=2))
+    with pytest.raises(TrainingError, match="cannot be used"):
+        engine.load_weights(good, version=5)

@@ -23,6 +23,13 @@ so ``load_weights`` hands the policy's tensors to the vLLM model's own ``load_we
 Hugging Face names onto its fused layers) without serializing them, checks that every parameter of
 the vLLM model was written, drops the prefix cache (its KV entries belong to the old weights) and
 only then stamps the version. A transfer that fails midway poisons the engine.
+
+Versions: vLLM 0.32 (CPU build, CI) and 0.24 (CUDA 13 / torch 2.11, the GPU device) expose the same
+APIs used here. On a CUDA platform the engine asks for vLLM's FlashAttention backend by default
+(``attention_backend``), and can free its GPU memory while the policy trains (``enable_sleep_mode``):
+``generate`` puts the engine to sleep when it returns, ``load_weights`` wakes the weights, writes the
+new ones and then wakes the KV cache, and ``generate`` wakes whatever still sleeps. vLLM's CPU backend
+has no sleep mode, so there the option is ignored.
 """
 
 from __future__ import annotations
@@ -125,6 +132,9 @@ class VLLMRolloutEngine:
         eos_ids: list[int] | None = None,
         cpu_kv_cache_gib: int = 2,
         policy: Any = None,
+        enable_sleep_mode: bool = False,
+        sleep_level: int = 1,
+        attention_backend: str | None = "auto",
     ) -> None:
         vllm = import_vllm()
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -150,6 +160,26 @@ class VLLMRolloutEngine:
         self._calls = 0
         self._poisoned: str | None = None
         self.last_sync_s = 0.0  # seconds the last load_weights took (the loop logs timer/weight_sync_s)
+        if sleep_level not in (1, 2):
+            raise ValueError(
+                f"sleep_level must be 1 (weights kept in CPU memory) or 2 (weights dropped), got {sleep_level}"
+            )
+        on_cuda = _on_cuda()
+        # Sleep / wake: only vLLM's CUDA platform implements it (the CPU backend logs and ignores it).
+        self.sleep_mode = bool(enable_sleep_mode) and on_cuda
+        self.sleep_level = sleep_level
+        self._asleep: set[str] = set()  # which of {"weights", "kv_cache"} vLLM holds asleep now
+        self._weights_dropped = False  # level-2 sleep discarded the weights and no load_weights followed
+        self.last_sleep_s = 0.0  # seconds the last sleep took (reported as rollout/sleep_s)
+        self.last_wake_s = 0.0  # seconds spent waking up since the last sleep (weights + KV cache)
+        engine_args: dict[str, Any] = {}
+        if on_cuda:
+            # The device's vLLM 0.24 set has no FlashInfer: pick vLLM's own FlashAttention build.
+            backend = "FLASH_ATTN" if attention_backend == "auto" else attention_backend
+            if backend is not None:
+                engine_args["attention_backend"] = backend
+            if self.sleep_mode:
+                engine_args["enable_sleep_mode"] = True
         start = time.perf_counter()
         self._llm = self._build(
             vllm,
@@ -161,6 +191,7 @@ class VLLMRolloutEngine:
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
             logprobs_mode=self.logprobs_mode,
+            **engine_args,
         )
         self.start_s = time.perf_counter() - start
 
@@ -212,6 +243,34 @@ class VLLMRolloutEngine:
         del llm
         gc.collect()
 
+    # -- sleep / wake ----------------------------------------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        """Whether some of vLLM's GPU memory (weights or KV cache) is released now."""
+        return bool(self._asleep)
+
+    def sleep(self) -> None:
+        """Release vLLM's GPU memory (KV cache; level 1 moves the weights to CPU memory, level 2 drops
+        them) so the colocated policy can use it. No-op without sleep mode or when already asleep."""
+        if not self.sleep_mode or self._asleep:
+            return
+        start = time.perf_counter()
+        self._llm.sleep(level=self.sleep_level)
+        self._asleep = {"weights", "kv_cache"}
+        self._weights_dropped = self.sleep_level == 2
+        self.last_sleep_s = time.perf_counter() - start
+        self.last_wake_s = 0.0
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Give vLLM back the memory of ``tags`` (default: all it released)."""
+        wanted = set(self._asleep) if tags is None else set(tags) & self._asleep
+        if not wanted:
+            return
+        start = time.perf_counter()
+        self._llm.wake_up(tags=sorted(wanted))
+        self._asleep -= wanted
+        self.last_wake_s += time.perf_counter() - start
+
     # -- weights -------------------------------------------------------------------------------
     def load_weights(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None, version: int
@@ -239,6 +298,7 @@ class VLLMRolloutEngine:
             )
         start = time.perf_counter()
         try:
+            self.wake_up(["weights"])  # the KV cache stays released until the reload is done
             # vLLM's in-place reload: maps checkpoint names onto its fused layers and redoes the
             # post-load processing (on CPU the linear weights are repacked, so writing the original
             # parameters with model.load_weights is not enough).
@@ -246,6 +306,8 @@ class VLLMRolloutEngine:
                 self._llm.collective_rpc(
                     "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
                 )
+            self._weights_dropped = False
+            self.wake_up()
             self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         except Exception as err:
             self._poisoned = (
@@ -266,8 +328,14 @@ class VLLMRolloutEngine:
         self._refuse_if_poisoned()
         check_generate_inputs(prompt_token_ids, n, params)
         check_params_for_mode(self.logprobs_mode, params)
+        if self._weights_dropped:
+            raise TrainingError(
+                "the vLLM engine slept at level 2 (its weights were dropped) and no load_weights followed: "
+                "call load_weights before generate, or use sleep_level=1"
+            )
         from vllm.inputs import TokensPrompt
 
+        self.wake_up()
         call_index = self._calls
         self._calls += 1
         # vLLM refuses n > 1 for greedy requests: send the n identical copies as n requests.
@@ -288,6 +356,9 @@ class VLLMRolloutEngine:
             completion.text = text
         tokens = sum(len(c.token_ids) for c in completions)
         stats = generation_stats(tokens, gen_s)
+        if self.sleep_mode:  # free the GPU for the policy update; load_weights / generate wake it
+            self.sleep()
+            stats["rollout/sleep_s"] = self.last_sleep_s
         return RolloutBatch([list(p) for p in prompt_token_ids], completions, self.weight_version, stats)
 
     def _request(self, params: SamplingParams, n: int, call_index: int, prompt_index: int) -> Any:
@@ -326,6 +397,16 @@ class VLLMRolloutEngine:
             extra["head_ids"] = [ids for ids, _ in heads]
             extra["head_logprobs"] = [lps for _, lps in heads]
         return Completion(prompt_index, token_ids, logprobs, reason, "", extra)
+
+
+def _on_cuda() -> bool:
+    """Whether vLLM runs on its CUDA platform here (not its CPU build)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cuda())
+    except Exception:  # an unusual build: judge by torch
+        return torch.cuda.is_available()
 
 
 def _pairs(

@@ -1,0 +1,239 @@
+"""One GRPO step of issue 9's workload, timed phase by phase, with posttrain's trainer and either engine.
+
+    python benchmarks/grpo_step.py --model /tmp/m05 --engine vllm --steps 5 --out $OUT/step_vllm.json
+
+The workload (defaults): 32 prompts ("What is a + b? Think step by step.", chat-rendered, about 45
+tokens) x 8 samples, up to 256 new tokens at temperature 1, bf16 on a GPU, AdamW lr 1e-6, one optimizer
+step per collected batch (micro-batches of 32 sequences), no KL, random rewards (the timing does not
+depend on them). A random-weight model almost never samples EOS, so completions run the full 256 tokens.
+
+Per step it prints and records: generation seconds and tokens/s, the trainer's extra logprob pass
+(pi_old; none when one optimizer step uses the whole batch), the policy update (forward, backward,
+optimizer), weight sync into the engine, the rest, training tokens/s, MFU of the update (6 N per
+trained token, N = parameters, against 989 TFLOP/s, the H200's dense bf16 rate) and peak GPU memory.
+Step 1 carries warm-ups (CUDA graphs, autotuning); the summary is the median of steps 2.. .
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet); ~790e12 measured on the device
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(acc: dict[str, float], key: str, fn: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _sync()
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _sync()
+            acc[key] = acc.get(key, 0.0) + time.perf_counter() - start
+
+    return wrapper
+
+
+def _used_gib() -> float:
+    """GPU memory in use by every allocator (vLLM's pool included), from the driver."""
+    if not torch.cuda.is_available():
+        return 0.0
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**30
+
+
+def _prompt_texts(n_total: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [f"What is {rng.randint(1, 99)} + {rng.randint(1, 99)}? Think step by step." for _ in range(n_total)]
+
+
+def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    from posttrain.config.schema import GRPOConfig
+    from posttrain.models.loading import load_model_and_tokenizer
+    from posttrain.policy.trainer import PolicyTrainer
+
+    cfg = GRPOConfig()
+    cfg.model.name_or_path = args.model
+    cfg.model.dtype = args.dtype
+    cfg.rl.group_size = args.samples
+    cfg.rl.batch_per_replica = args.prompts * args.samples
+    cfg.rl.micro_batch_per_replica = args.micro_batch
+    cfg.rl.optimizer.lr = args.lr
+    cfg.rl.kl_beta = 0.0
+    cfg.rollout.max_tokens = args.max_tokens
+    cfg.rollout.temperature = 1.0
+    t0 = time.perf_counter()
+    model, tokenizer = load_model_and_tokenizer(cfg.model)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if args.engine == "vllm":
+        from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+
+        engine = VLLMRolloutEngine(
+            args.model,
+            tokenizer,
+            temperature=1.0,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len,
+            enforce_eager=args.enforce_eager,
+            seed=0,
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            policy=model,
+            enable_sleep_mode=args.sleep,
+        )
+    else:
+        from posttrain.rollout.hf_engine import HFRolloutEngine
+
+        engine = HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
+    engine_s = time.perf_counter() - t0
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    trainer = PolicyTrainer(model, cfg, pad_id=pad_id)
+    print(f"model {args.model}: loaded in {load_s:.1f}s; {args.engine} engine started in {engine_s:.1f}s", flush=True)
+    return cfg, model, tokenizer, (engine, trainer, {"model_load_s": load_s, "engine_start_s": engine_s})
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from posttrain.algorithm.advantages import group_advantages
+    from posttrain.models.chat import render_prompt_ids
+    from posttrain.policy.trainer import TrainBatch
+    from posttrain.rollout.base import SamplingParams
+
+    _, model, tokenizer, (engine, trainer, setup) = build(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    acc: dict[str, float] = {}
+    trainer._old_logprobs = _timed(acc, "logprob_pass_s", trainer._old_logprobs)
+    trainer._optimizer_step = _timed(acc, "optimizer_s", trainer._optimizer_step)
+    texts = _prompt_texts(args.prompts * args.steps)
+    rng = torch.Generator().manual_seed(0)
+    rows = []
+    for step in range(1, args.steps + 1):
+        acc.clear()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        _sync()
+        t_step = time.perf_counter()
+        batch_texts = texts[(step - 1) * args.prompts : step * args.prompts]
+        prompt_ids = [render_prompt_ids(tokenizer, t, use_chat_template=True) for t in batch_texts]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=step)
+        t0 = time.perf_counter()
+        rollout = engine.generate(prompt_ids, args.samples, params)
+        _sync()
+        gen_s = time.perf_counter() - t0
+        comps = rollout.completions
+        rewards_NG = torch.randn(args.prompts, args.samples, generator=rng)
+        advantages = group_advantages(rewards_NG, unbiased=False).reshape(-1)
+        batch = TrainBatch(
+            prompt_ids=[rollout.prompt_token_ids[c.prompt_index] for c in comps],
+            completion_ids=[c.token_ids for c in comps],
+            advantages_B=advantages,
+            in_loss_B=torch.ones(len(comps), dtype=torch.bool),
+            sampler_logprobs=[c.logprobs for c in comps],
+            group_size=args.samples,
+        )
+        _sync()
+        t0 = time.perf_counter()
+        metrics = trainer.train_on(batch, step)
+        _sync()
+        train_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine.load_weights(None, version=trainer.optimizer_step)
+        _sync()
+        sync_s = time.perf_counter() - t0
+        step_s = time.perf_counter() - t_step
+        gen_tokens = sum(len(c.token_ids) for c in comps)
+        train_tokens = sum(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids))
+        logprob_s = acc.get("logprob_pass_s", 0.0)
+        update_s = train_s - logprob_s
+        row = {
+            "step": step,
+            "step_s": step_s,
+            "generation_s": gen_s,
+            "engine_gen_s": rollout.stats.get("rollout/gen_s", gen_s),
+            "sleep_s": rollout.stats.get("rollout/sleep_s", 0.0),
+            "logprob_pass_s": logprob_s,
+            "update_s": update_s,
+            "optimizer_s": acc.get("optimizer_s", 0.0),
+            "weight_sync_s": sync_s,
+            "wake_s": getattr(engine, "last_wake_s", 0.0) if args.sleep else 0.0,
+            "other_s": step_s - gen_s - train_s - sync_s,
+            "generated_tokens": gen_tokens,
+            "gen_tokens_per_s": gen_tokens / gen_s,
+            "train_tokens": train_tokens,
+            "train_tokens_per_s": train_tokens / update_s,
+            "mfu_update": 6 * n_params * train_tokens / update_s / PEAK_BF16_FLOPS,
+            "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+            "used_gib": _used_gib(),
+            "logprob_gap_mean": metrics.get("train/logprob_gap_mean", float("nan")),
+            "logprob_gap_max": metrics.get("train/logprob_gap_max", float("nan")),
+        }
+        rows.append(row)
+        print(
+            f"step {step}: {step_s:.2f}s | gen {gen_s:.2f}s ({row['gen_tokens_per_s']:.0f} tok/s, {gen_tokens} tok) | "
+            f"logprob pass {logprob_s:.2f}s | update {update_s:.2f}s (opt {row['optimizer_s']:.2f}s, "
+            f"MFU {100 * row['mfu_update']:.1f}%) | sync {sync_s:.3f}s | other {row['other_s']:.2f}s | "
+            f"peak {row['peak_alloc_gib']:.1f} GiB, used {row['used_gib']:.1f} GiB | gap mean "
+            f"{row['logprob_gap_mean']:.4f} max {row['logprob_gap_max']:.3f}",
+            flush=True,
+        )
+    later = rows[1:] or rows
+    summary = {k: statistics.median(r[k] for r in later) for k in rows[0] if k != "step"}
+    result = {
+        "engine": args.engine,
+        "model": args.model,
+        "params": n_params,
+        "dtype": str(next(model.parameters()).dtype),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **setup,
+        "median_steps_2_on": summary,
+        "steps": rows,
+    }
+    if args.engine == "vllm":
+        import vllm
+
+        result["vllm"] = vllm.__version__
+        engine.close()
+    print("SUMMARY " + json.dumps({"engine": args.engine, **{k: round(v, 4) for k, v in summary.items()}}), flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF model directory (e.g. /tmp/m05 from make_random_models.py)")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="vllm")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--sleep", action="store_true", help="vLLM sleep mode: release its memory during the update")
+    p.add_argument("--out", type=Path, help="write the per-step figures as JSON here")
+    args = p.parse_args(argv)
+    result = run(args)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The vLLM engine on a CUDA GPU, bf16: its sampling logprobs against the trainer's on the same
+weights, sleep / wake around the policy update, and an in-process weight update.
+
+Runs a vLLM engine in the test process: run it in a pytest process of its own, on the device machine
+(``pytest -m gpu tests/gpu/test_vllm_gpu.py``; benchmarks/vllm_gpu.sh does). The model is the
+embedded SmolLM2-135M-Instruct (``POSTTRAIN_GPU_TEST_MODEL`` names another HF directory). With
+``POSTTRAIN_GPU_TEST_REPORT=path.json`` the measured gaps are written there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from posttrain.errors import PosttrainError
+from posttrain.models.chat import render_prompt_ids
+from posttrain.models.loading import resolve_model_path
+from posttrain.policy.batching import build_policy_batch
+from posttrain.policy.logprobs import completion_logprobs
+from posttrain.rollout.base import RolloutBatch, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+MODEL = os.environ.get("POSTTRAIN_GPU_TEST_MODEL", "embedded:smollm2-135m-instruct")
+REPORT: dict[str, float] = {}
+
+# bf16 on both sides, different kernels (vLLM's FlashAttention and fused layers against transformers'
+# SDPA): the sampled tokens' logprobs agree to about 1e-2 nats on average; single tokens deviate more.
+MEAN_GAP_TOL = 0.1
+MAX_GAP_TOL = 1.0
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tests need a CUDA device")
+    pytest.importorskip("vllm", reason="vLLM is not installed (see docs/vllm.md)")
+    try:
+        return resolve_model_path(MODEL)
+    except PosttrainError as err:
+        pytest.skip(f"{MODEL} is not available here: {err}")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: str) -> Iterator[object]:
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+
+    eng = VLLMRolloutEngine(
+        model_dir,
+        dtype="bfloat16",
+        enforce_eager=True,  # starts in seconds instead of a minute; the logprobs are the same
+        gpu_memory_utilization=0.25,
+        max_model_len=1024,
+        seed=0,
+        enable_sleep_mode=True,
+    )
+    REPORT["engine_start_s"] = eng.start_s
+    yield eng
+    eng.close()
+    if path := os.environ.get("POSTTRAIN_GPU_TEST_REPORT"):
+        with open(path, "w") as f:
+            json.dump(REPORT, f, indent=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    texts = [f"What is {a} + {b}? Reply with only the number." for a, b in [(3, 4), (12, 9), (17, 5), (8, 20)]]
+    return [render_prompt_ids(tokenizer, t, use_chat_template=True) for t in texts]
+
+
+def _policy(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def _trainer_logprobs(model, batch: RolloutBatch, pad_id: int) -> list[torch.Tensor]:
+    pb = build_policy_batch(
+        [batch.prompt_token_ids[c.prompt_index] for c in batch.completions],
+        [c.token_ids for c in batch.completions],
+        pad_id=pad_id,
+        device="cuda",
+    )
+    with torch.no_grad():
+        out = completion_logprobs(model, pb, temperature=1.0, chunk_tokens=1024)
+    assert isinstance(out, torch.Tensor)
+    return [out[i, : len(c.token_ids)].float().cpu() for i, c in enumerate(batch.completions)]
+
+
+def _gaps(batch: RolloutBatch, expected: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([(torch.tensor(c.logprobs) - ref).abs() for c, ref in zip(batch.completions, expected)])
+
+
+def test_engine_logprobs_match_the_trainers_in_bf16(engine, model_dir: str, tokenizer, prompts) -> None:
+    model = _policy(model_dir)
+    engine.load_weights(model.state_dict(), version=0)  # the trainer's bf16 tensors, as the loop sends them
+    out = engine.generate(prompts, 4, SamplingParams(max_tokens=48, seed=1))
+    assert len(out.completions) == 16 and all(len(c.logprobs) == len(c.token_ids) for c in out.completions)
+    gaps = _gaps(out, _trainer_logprobs(model, out, _pad_id(tokenizer)))
+    REPORT.update(gap_mean=float(gaps.mean()), gap_max=float(gaps.max()), gap_tokens=float(gaps.numel()))
+    REPORT["tokens_per_s_eager"] = out.stats["rollout/tokens_per_s"]
+    assert float(gaps.mean()) < MEAN_GAP_TOL, REPORT
+    assert float(gaps.max()) < MAX_GAP_TOL, REPORT
+
+
+def test_sleep_frees_memory_and_an_update_moves_the_engine_logprobs(engine, model_dir: str, tokenizer, prompts) -> None:
+    """generate leaves the engine asleep (KV cache released); load_weights after one AdamW step wakes
+    it with the new weights: the engine reports the updated trainer's logprobs, which moved far more
+    than the bf16 engine / trainer gap."""
+    base = _policy(model_dir)
+    model = _policy(model_dir)
+    engine.load_weights(model.state_dict(), version=0)
+    before = engine.generate(prompts, 4, SamplingParams(max_tokens=32, seed=2))
+    assert engine.asleep and before.stats["rollout/sleep_s"] >= 0.0
+    torch.cuda.synchronize()
+    free_asleep = torch.cuda.mem_get_info()[0]
+
+    pb = build_policy_batch(
+        [before.prompt_token_ids[c.prompt_index] for c in before.completions],
+        [c.token_ids for c in before.completions],
+        pad_id=_pad_id(tokenizer),
+        device="cuda",
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # large enough to survive bf16 rounding
+    model.train()
+    logprobs_BT = completion_logprobs(model, pb, chunk_tokens=1024)
+    assert isinstance(logprobs_BT, torch.Tensor)
+    (-(logprobs_BT * pb.completion_mask_BT).sum() / pb.completion_mask_BT.sum()).backward()
+    optimizer.step()
+    model.eval()
+
+    engine.load_weights(model.state_dict(), version=1)
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    REPORT.update(
+        sleep_s=engine.last_sleep_s,
+        wake_s=engine.last_wake_s,
+        weight_sync_s=engine.last_sync_s,
+        freed_by_sleep_gib=(free_asleep - free_awake) / 2**30,
+    )
+    assert not engine.asleep and engine.weight_version == 1
+    assert free_asleep - free_awake > 2**30, REPORT  # the KV cache (about 30 GiB here) was released
+
+    after = engine.generate(prompts, 4, SamplingParams(max_tokens=32, seed=3))
+    assert after.weight_version == 1
+    new = _trainer_logprobs(model, after, _pad_id(tokenizer))
+    gaps = _gaps(after, new)
+    moved = torch.cat([(n - o).abs() for n, o in zip(new, _trainer_logprobs(base, after, _pad_id(tokenizer)))])
+    REPORT.update(
+        gap_after_update_mean=float(gaps.mean()),
+        gap_after_update_max=float(gaps.max()),
+        update_shift_mean=float(moved.mean()),
+    )
+    assert float(gaps.mean()) < MEAN_GAP_TOL, REPORT
+    assert float(moved.mean()) > 4 * float(gaps.mean()) and float(moved.mean()) > 0.05, REPORT
