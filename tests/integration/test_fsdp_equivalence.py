@@ -41,6 +41,9 @@ COMMON = [
     "rl.optimizer.lr=1e-3",
     "rl.optimizer.grad_clip_norm=null",
     "rollout.max_tokens=12",
+    # whole groups per micro-batch, the same composition on 2 ranks as in one process (the plain path
+    # sorts rows by length, so its micro-batches, and their padding, differ between the two)
+    "model.share_prompt_prefix=true",
 ]
 SPAWN_TIMEOUT_S = 240.0
 NORM_RTOL = 5e-5

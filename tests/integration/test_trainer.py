@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from posttrain.config.loading import build_config
 from posttrain.errors import TrainingError
-from posttrain.policy.batching import build_policy_batch
+from posttrain.policy.batching import PolicyBatch, build_policy_batch
 from posttrain.policy.logprobs import completion_logprobs
 from posttrain.policy.shared_prefix import build_grouped_batch, grouped_completion_logprobs
 from posttrain.policy.trainer import PolicyTrainer, TrainBatch
@@ -75,11 +75,25 @@ def test_micro_batches_and_prefix_sharing_do_not_change_the_update(
     common = [f"rl.loss_type={loss_type}", f"rl.importance_sampling_level={level}"]
     reference, ref_metrics = _trained_params(tiny_model_dir, [*common, "model.share_prompt_prefix=false"])
     for extra in (["rl.micro_batch_per_replica=4"], ["rl.micro_batch_per_replica=8"], ["rl.micro_batch_per_replica=2"]):
-        params, metrics = _trained_params(tiny_model_dir, [*common, *extra])
+        params, metrics = _trained_params(tiny_model_dir, [*common, *extra, "model.share_prompt_prefix=true"])
         for a, b in zip(reference, params):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
         assert metrics["train/loss_avg"] == pytest.approx(ref_metrics["train/loss_avg"], abs=1e-5)
         assert metrics["train/clip_frac"] == 0.0
+
+
+def test_auto_prefix_sharing_follows_prompt_and_completion_lengths(tiny_model_dir: str) -> None:
+    cfg = build_config(None, ["rl.batch_per_replica=4", "rl.group_size=2"])
+    assert cfg.model.share_prompt_prefix == "auto"
+    trainer = PolicyTrainer(_load(tiny_model_dir), cfg, pad_id=2)
+    long_prompts = TrainBatch(
+        [[1] * 10] * 4, [[5] * 3] * 4, torch.zeros(4), torch.ones(4, dtype=torch.bool), [[0.0] * 3] * 4, 2
+    )
+    short_prompts = TrainBatch(
+        [[1] * 2] * 4, [[5] * 8] * 4, torch.zeros(4), torch.ones(4, dtype=torch.bool), [[0.0] * 8] * 4, 2
+    )
+    assert trainer._prefix_sharing(long_prompts) and not trainer._prefix_sharing(short_prompts)
+    assert isinstance(trainer._model_batch(short_prompts, [0, 1, 2, 3]), PolicyBatch)
 
 
 def test_mini_batches_take_several_steps_and_pass_the_probe(tiny_model_dir: str) -> None:

@@ -45,3 +45,34 @@ def test_two_grpo_steps_with_the_vllm_engine(
     before = load_file(str(Path(model_dir) / "model.safetensors"))
     after = load_file(str(run_dir / "checkpoints" / "iter_000000002" / "model.safetensors"))
     assert sum(not torch.equal(before[k], after[k].to(before[k].dtype)) for k in before) > len(before) // 2
+
+
+def test_one_step_off_policy_overlaps_sampling_with_training(
+    tmp_path: Path,
+    smollm2_tokenizer_dir: str,
+    run_overrides: Callable[..., list[str]],
+    grpo_cli: Callable[..., subprocess.CompletedProcess[str]],
+) -> None:
+    """``rl.max_off_policy_steps=1``: batch k+1 is sampled while batch k trains, so it was sampled
+    one update ago: the engine's logprobs then differ from the trainer's (the ratio against the
+    sampler's logprobs corrects it), unlike the on-policy run above where they agree."""
+    model_dir = make_tiny_model(str(tmp_path / "m"), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1)
+    overrides = run_overrides(
+        model_dir,
+        tmp_path / "out",
+        "offpolicy",
+        "rollout.backend=vllm",
+        "rl.max_steps=3",
+        "rl.max_off_policy_steps=1",
+        "rl.use_rollout_logprobs_for_loss=true",
+        "rl.optimizer.lr=1e-2",
+    )
+    res = grpo_cli(overrides)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = next((tmp_path / "out" / "posttrain" / "grpo").glob("*/*"))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["train/off_policy_steps"] == 1.0 and r["timer/rollout_overlapped_s"] > 0 for r in records)
+    # steps 2 and 3 trained on batches sampled before the previous update had been published
+    assert records[0]["train/logprob_gap_max"] < 1e-3
+    assert min(r["train/logprob_gap_max"] for r in records[1:]) > 1e-3

@@ -16,7 +16,7 @@ import pytest
 from posttrain.config.loading import build_config
 from posttrain.config.validate import preflight
 
-NOT_LAUNCHED = "does not launch them under torchrun yet"
+LOCAL_ENGINES = "with grid.gpu_placement=colocated every policy rank holds one colocated rollout engine"
 PYTHON_IMPORTTIME = [sys.executable, "-X", "importtime", "-m"]
 ONE_NODE_OF_3 = ["grid.num_nodes=1", "grid.gpus_per_node=3"]
 
@@ -92,9 +92,26 @@ def _errors(overrides: list[str], monkeypatch: pytest.MonkeyPatch, world_size: s
             "the allocation has 2 GPUs (torchrun WORLD_SIZE=2, one GPU per process)",
         ),
         ([], "two", "WORLD_SIZE='two' (set by torchrun) is not a positive integer"),
-        (["grid.backend=ray"], None, "grid.backend=ray is not implemented yet"),
-        (["grid.shapes.policy=[1,2]"], None, NOT_LAUNCHED),
-        (["grid.shapes.rollout=[2,1]"], None, "several rollout replicas are not implemented yet"),
+        (
+            ["grid.backend=ray", "rollout.tensor_parallel_size=2", "grid.shapes.rollout=[1,2]"],
+            None,
+            "rollout replicas wider than one device are not implemented yet",
+        ),
+        (
+            ["grid.backend=ray", "grid.gpu_placement=disaggregated", "grid.shapes.rollout=[2,1]"],
+            None,
+            "ROLLOUT_REPLICAS must be <= POLICY_RANKS",
+        ),
+        (["grid.backend=ray", "grid.gpu_placement=disaggregated"], None, "use object_store"),
+        (
+            ["grid.backend=ray", "grid.gpu_placement=disaggregated", "rl.weight_sync_transport=nccl"],
+            None,
+            "rl.weight_sync_transport=nccl is not implemented yet",
+        ),
+        (["rl.weight_sync_transport=object_store"], None, "colocated engines receive the weights in their own process"),
+        (["grid.shapes.policy=[1,2]", "rl.max_off_policy_steps=1"], None, "use rl.max_off_policy_steps=0 with several"),
+        (["grid.shapes.rollout=[2,1]"], None, LOCAL_ENGINES),
+        (["grid.shapes.policy=[1,4]", "rl.batch_per_replica=64", "grid.shapes.rollout=[2,1]"], None, LOCAL_ENGINES),
     ],
 )
 def test_topology_problems_are_named(
@@ -111,21 +128,35 @@ def test_topology_problems_are_named(
         ["grid.shapes.policy=[1,4]", "grid.dp_replicate=2", "grid.dp_shard=2", "rl.batch_per_replica=64"],
         ["grid.shapes.policy=[1,2]", "grid.num_nodes=1", "grid.gpus_per_node=2"],
         ["grid.shapes.policy=[1,2]", "rl.mini_batch_per_replica=16"],
+        ["grid.shapes.policy=[1,2]", "grid.shapes.rollout=[2,1]", "rl.min_informative_groups_frac=0.5"],
+        ["grid.backend=ray", "grid.shapes.policy=[1,2]"],
+        [
+            "grid.backend=ray",
+            "grid.shapes.policy=[1,2]",
+            "grid.gpu_placement=disaggregated",
+            "rl.weight_sync_transport=object_store",
+        ],
     ],
 )
-def test_valid_multi_rank_layouts_fail_only_for_the_missing_launch(
-    monkeypatch: pytest.MonkeyPatch, overrides: list[str]
-) -> None:
-    errors = _errors(overrides, monkeypatch)
-    assert len(errors) == 1 and NOT_LAUNCHED in errors[0], errors
+def test_valid_multi_rank_layouts_are_accepted(monkeypatch: pytest.MonkeyPatch, overrides: list[str]) -> None:
+    assert _errors(overrides, monkeypatch) == []
 
 
 def test_torchrun_world_is_the_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _errors([], monkeypatch, world_size="1") == []
-    errors = _errors(["grid.shapes.policy=[1,2]"], monkeypatch, world_size="2")
-    assert len(errors) == 1 and NOT_LAUNCHED in errors[0], errors
+    assert _errors(["grid.shapes.policy=[1,2]"], monkeypatch, world_size="2") == []
     # the Ray backend takes no torchrun world: WORLD_SIZE is not its allocation
     assert not any("WORLD_SIZE" in e for e in _errors(["grid.backend=ray"], monkeypatch, world_size="7"))
+
+
+def test_nixl_needs_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nixl" else real(name, *a))
+    overrides = ["grid.backend=ray", "grid.gpu_placement=disaggregated", "rl.weight_sync_transport=nixl"]
+    errors = _errors(overrides, monkeypatch)
+    assert any("the nixl library is not installed (import nixl fails)" in e for e in errors), errors
 
 
 def _validate(*overrides: str, world_size: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -173,4 +204,20 @@ def test_validate_manifest_checks_the_torchrun_world() -> None:
     assert res.returncode == 1
     assert "the allocation has 2 GPUs" in res.stderr and "need 3" in res.stderr, res.stderr
     ok = _validate(world_size="1")
+    assert ok.returncode == 0 and "manifest OK" in ok.stdout, ok.stderr
+
+
+def test_validate_manifest_checks_the_ray_layout_without_ray() -> None:
+    res = _validate(
+        "grid.backend=ray",
+        "grid.gpu_placement=disaggregated",
+        "grid.shapes.policy=[1,2]",
+        "grid.shapes.rollout=[3,1]",
+        "rl.weight_sync_transport=nccl",
+    )
+    assert res.returncode == 1
+    for needle in ("ROLLOUT_REPLICAS must be <= POLICY_RANKS", "rl.weight_sync_transport=nccl is not implemented yet"):
+        assert needle in res.stderr, res.stderr
+    assert "| ray" not in res.stderr and "| torch" not in res.stderr  # nothing heavy imported
+    ok = _validate("grid.backend=ray", "grid.shapes.policy=[1,2]")
     assert ok.returncode == 0 and "manifest OK" in ok.stdout, ok.stderr

@@ -9,6 +9,9 @@ Formats (``rl.checkpoint_format``):
 
 * ``consolidated``: ``model.safetensors`` (tied weights stored once, the aliases in the file's
   metadata), ``optimizer.pt`` (``optimizer.state_dict()``), ``scheduler.pt``. One process writes.
+  An FSDP2-sharded policy (several ranks) is gathered to rank 0 first, which writes the full
+  weights and the full optimizer state keyed by parameter name (``optimizer_layout: fqn`` in the
+  manifest; loaded with ``set_optimizer_state_dict``); every rank still writes its own training state.
 * ``dcp``: ``model_dcp/`` and ``optim_dcp/`` written with ``torch.distributed.checkpoint`` (every
   rank writes its own shards; in a single process it works without a process group). Model and
   optimizer are separate DCP directories so retention can drop one without the other.
@@ -238,12 +241,16 @@ def _take_snapshot(
     model_sd: dict[str, Any]
     optim_sd: dict[str, Any]
     aliases: dict[str, str] = {}
+    meta = _model_meta(model)
     if fmt == "dcp":
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         with _quiet_dcp():
             model_sd = dict(get_model_state_dict(model))
             optim_sd = dict(get_optimizer_state_dict(model, optimizer))
+    elif _is_sharded(model):
+        model_sd, aliases, optim_sd = _gather_to_rank0(model, optimizer)
+        meta["optimizer_layout"] = "fqn"
     else:
         model_sd, aliases = _dedupe(model.state_dict())
         optim_sd = optimizer.state_dict()
@@ -254,8 +261,34 @@ def _take_snapshot(
         aliases=aliases,
         optimizer=_to_cpu(optim_sd, copy=copy) if fmt == "consolidated" else optim_sd,
         scheduler=_to_cpu(scheduler.state_dict(), copy=True) if scheduler is not None else None,
-        meta=_model_meta(model),
+        meta=meta,
     )
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    """Whether the model's parameters are DTensors (an FSDP2-sharded policy)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _gather_to_rank0(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, Any]]:
+    """A sharded model's full weights (deduplicated) and full optimizer state, keyed by parameter
+    name, on rank 0; empty on the other ranks. A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from posttrain.policy.distributed import full_state_dict
+
+    weights = full_state_dict(model, to_cpu=True, rank0_only=True)
+    with _quiet_dcp():
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        optim_sd = dict(get_optimizer_state_dict(model, optimizer, options=options))
+    if _rank_world()[0] != 0:
+        return {}, {}, {}
+    model_sd, aliases = _dedupe(weights)
+    return model_sd, aliases, optim_sd
 
 
 def _write_hf_meta(model: nn.Module, tokenizer: Any, root: Path) -> list[str]:
@@ -289,6 +322,8 @@ def _write_payload(snap: _Snapshot, tmp: Path) -> dict[str, list[str]]:
             dcp.save(snap.model, checkpoint_id=str(tmp / MODEL_DCP))
             dcp.save(snap.optimizer, checkpoint_id=str(tmp / OPTIM_DCP))
         parts = {"model": [MODEL_DCP], "optimizer": [OPTIM_DCP, SCHED_FILE]}
+    elif _rank_world()[0] != 0:  # consolidated: rank 0 holds the gathered state and writes it alone
+        parts = {"model": [MODEL_FILE], "optimizer": [OPTIM_FILE, SCHED_FILE]}
     else:
         from safetensors.torch import save_file
 
@@ -439,12 +474,9 @@ class CheckpointWriter:
         """
         self.wait()
         rank, world = _rank_world()
-        if world > 1 and self.fmt == "consolidated":
-            raise CheckpointError(
-                f"rl.checkpoint_format=consolidated writes from one process, this job has {world} ranks; "
-                "use rl.checkpoint_format=dcp"
-            )
-        background = self.async_save and self.fmt == "consolidated"
+        # several ranks save synchronously: the write phase ends in barriers, which must not run in a
+        # thread beside the training step's collectives
+        background = self.async_save and self.fmt == "consolidated" and world == 1
         final = self.ckpt_root / iter_name(step)
         tmp = self.ckpt_root / _broadcast(f"{final.name}.tmp-{os.getpid()}", world)
         if rank == 0:
@@ -740,6 +772,39 @@ def _load_model_consolidated(path: Path, model: nn.Module) -> None:
         raise CheckpointError(f"{file} does not fit this model (other model.name_or_path?): {exc}") from None
 
 
+def _load_consolidated_by_name(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """A consolidated checkpoint into a sharded (or plain) model: every rank reads the full files and
+    keeps its shards (``set_model_state_dict`` / ``set_optimizer_state_dict`` with full state dicts)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    file = path / MODEL_FILE
+    with safe_open(str(file), framework="pt") as fh:
+        aliases = json.loads((fh.metadata() or {}).get(_ALIASES_KEY, "{}"))
+    tensors = load_file(str(file), device="cpu")
+    for name, target in aliases.items():
+        tensors[name] = tensors[target]
+    options = StateDictOptions(full_state_dict=True)
+    with _quiet_dcp():
+        try:
+            if optimizer is not None:
+                osd = torch.load(path / OPTIM_FILE, map_location="cpu", weights_only=True)
+                if read_manifest(path).get("optimizer_layout") != "fqn":
+                    raise CheckpointError(
+                        f"{path} was written by one process (optimizer state keyed by position); a sharded "
+                        "policy resumes from checkpoints written by sharded runs (or rl.checkpoint_format=dcp)"
+                    )
+                set_optimizer_state_dict(model, optimizer, osd, options=options)
+            set_model_state_dict(model, dict[str, Any](tensors), options=options)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise CheckpointError(f"{path}: the consolidated state does not fit this model/optimizer: {exc}") from None
+
+
 def _load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -783,6 +848,8 @@ def load_checkpoint(
             raise CheckpointError(f"{path}: its {part} state was removed by retention ({pruned[part]})")
     if manifest["checkpoint_format"] == "dcp":
         _load_dcp(path, model, optimizer)
+    elif _is_sharded(model) or manifest.get("optimizer_layout") == "fqn":
+        _load_consolidated_by_name(path, model, optimizer)
     else:
         if optimizer is not None:
             try:

@@ -254,22 +254,39 @@ def _check_allocation(cfg: GRPOConfig, env: Mapping[str, str], out: Findings) ->
 def _check_not_built(cfg: GRPOConfig, out: Findings) -> None:
     """What this version cannot run yet, named precisely."""
     grid = cfg.grid
+    replicas, ranks = grid.shapes.rollout[0], grid.policy_ranks
+    if ranks > 1 and cfg.rl.max_off_policy_steps > 0:
+        out.errors.append(
+            f"rl.max_off_policy_steps={cfg.rl.max_off_policy_steps} with POLICY_RANKS={ranks}: the background "
+            "rollout would run collectives (metrics, dynamic sampling) beside the training step's; use "
+            "rl.max_off_policy_steps=0 with several policy ranks (not implemented yet)"
+        )
     if grid.backend == "ray":
+        if importlib.util.find_spec("ray") is None:
+            out.errors.append("grid.backend=ray but Ray is not installed: pip install 'posttrain[ray]'")
+        if cfg.rollout.tensor_parallel_size > 1:
+            out.errors.append(
+                f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}: rollout replicas wider than one "
+                "device are not implemented yet under grid.backend=ray; use 1"
+            )
+        if grid.gpu_placement == "disaggregated":
+            if replicas > ranks:
+                out.errors.append(
+                    f"grid.shapes.rollout={grid.shapes.rollout}: {replicas} rollout replicas for {ranks} policy ranks; "
+                    "each policy rank samples on one replica, so ROLLOUT_REPLICAS must be <= POLICY_RANKS"
+                )
+            if cfg.rollout.backend != "hf":
+                out.errors.append(
+                    "grid.gpu_placement=disaggregated runs transformers rollout replicas only for now; "
+                    "set rollout.backend=hf (vLLM replicas are not implemented yet)"
+                )
+            return
+    if replicas > 1 and replicas != ranks:
         out.errors.append(
-            "grid.backend=ray is not implemented yet (roles as Ray actors, cross-process weight sync); "
-            "use grid.backend=local"
-        )
-        return
-    if grid.policy_ranks > 1:
-        out.errors.append(
-            f"grid.shapes.policy={grid.shapes.policy}: the FSDP2 policy ranks exist (posttrain.policy.distributed, "
-            "docs/distributed.md) but the GRPO loop does not launch them under torchrun yet; "
-            "use grid.shapes.policy=[1,1] for now"
-        )
-    if grid.shapes.rollout[0] > 1:
-        out.errors.append(
-            f"grid.shapes.rollout={grid.shapes.rollout}: several rollout replicas are not implemented yet "
-            "(one engine, colocated with the policy); use grid.shapes.rollout=[1,1]"
+            f"grid.shapes.rollout={grid.shapes.rollout}: with grid.gpu_placement=colocated every policy rank holds one "
+            f"colocated rollout engine, so ROLLOUT_REPLICAS is POLICY_RANKS={ranks}; write "
+            f"grid.shapes.rollout=[{ranks},1] (or [1,1]); other counts of rollout replicas need "
+            "grid.backend=ray with grid.gpu_placement=disaggregated"
         )
 
 
@@ -301,10 +318,47 @@ def check_rollout_backend(cfg: GRPOConfig, out: Findings) -> None:
                 )
             if ro.tensor_parallel_size > 1:
                 out.errors.append("rollout.backend=vllm: rollout.tensor_parallel_size > 1 is not supported yet; use 1")
-    if cfg.rl.weight_sync_transport != "inprocess":
+    check_weight_sync(cfg, out)
+
+
+def check_weight_sync(cfg: GRPOConfig, out: Findings) -> None:
+    """``rl.weight_sync_transport`` must fit the placement (and exist on this machine)."""
+    transport = cfg.rl.weight_sync_transport
+    if cfg.grid.gpu_placement == "colocated":
+        if transport != "inprocess":
+            out.errors.append(
+                f"rl.weight_sync_transport={transport} applies to grid.gpu_placement=disaggregated; colocated "
+                "engines receive the weights in their own process: use inprocess"
+            )
+        return
+    if transport == "inprocess":
         out.errors.append(
-            f"rl.weight_sync_transport={cfg.rl.weight_sync_transport} applies to disaggregated Ray runs, "
-            "which this version does not implement; use inprocess"
+            "grid.gpu_placement=disaggregated: the rollout replicas live in other processes, so "
+            "rl.weight_sync_transport=inprocess cannot reach them; use object_store"
+        )
+    elif transport == "nixl" and importlib.util.find_spec("nixl") is None:
+        out.errors.append("rl.weight_sync_transport=nixl but the nixl library is not installed (import nixl fails)")
+    elif transport in ("nccl", "nixl"):
+        out.errors.append(
+            f"rl.weight_sync_transport={transport} is not implemented yet; use object_store (the full state dict "
+            "through Ray's object store)"
+        )
+
+
+def check_off_policy(cfg: GRPOConfig, out: Findings) -> None:
+    """One-step off-policy sampling needs an engine with its own weights and the sampler's ratio."""
+    rl = cfg.rl
+    if rl.max_off_policy_steps == 0:
+        return
+    if cfg.rollout.backend != "vllm":
+        out.errors.append(
+            f"rl.max_off_policy_steps={rl.max_off_policy_steps} needs rollout.backend=vllm: the transformers "
+            "engine samples with the module being trained, so it cannot sample while the policy trains"
+        )
+    if not rl.use_rollout_logprobs_for_loss:
+        out.errors.append(
+            f"rl.max_off_policy_steps={rl.max_off_policy_steps} needs rl.use_rollout_logprobs_for_loss=true: "
+            "a batch sampled one update ago must take its ratio against the sampler's logprobs"
         )
 
 
@@ -365,6 +419,7 @@ CHECKS = (
     check_dynamic_sampling,
     check_grid,
     check_rollout_backend,
+    check_off_policy,
     check_lifecycle,
     check_data_and_reward,
 )

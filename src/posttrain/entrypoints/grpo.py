@@ -129,11 +129,25 @@ def main(argv: Sequence[str] | None = None, prog: str = "posttrain grpo", comman
             print(f"warning: {warning}", file=sys.stderr)
         if findings.errors:
             raise ConfigError(findings.errors)
-        command.load("train")(cfg, argv=list(sys.argv if argv is None else argv))
+        full_argv = list(sys.argv if argv is None else argv)
+        if cfg.grid.backend == "ray":  # the driver: the loop runs in Ray actors (launch/ray_backend.py)
+            from posttrain.launch.ray_backend import train_with_ray
+
+            train_with_ray(cfg, full_argv, command.config_class, command.train)
+        else:
+            command.load("train")(cfg, argv=full_argv)
     except PosttrainError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error{_rank_tag()}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _rank_tag() -> str:
+    """`` (rank r/w)`` in a process of a multi-rank launch (torchrun's environment), else empty."""
+    import os
+
+    world = os.environ.get("WORLD_SIZE", "1")
+    return f" (rank {os.environ.get('RANK', '?')}/{world})" if world not in ("", "1") else ""
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ import torch
 
 from posttrain.config.opd import OPDConfig
 from posttrain.errors import ConfigError
-from posttrain.loop.grpo import Collected, Run, draw_groups, rollout_metrics, run_loop, start_run, to_train_batch
+from posttrain.launch.spmd import gathered_metrics
+from posttrain.loop.grpo import Collected, Run, draw_cell, rollout_metrics, run_loop, start_run, to_train_batch
 from posttrain.metrics.sinks import MetricsLogger
 from posttrain.metrics.timers import StepTimer
 from posttrain.models.loading import load_model_and_tokenizer, load_tokenizer, resolve_model_path
@@ -108,13 +109,15 @@ def opd_train_batch(cfg: OPDConfig, collected: Collected, signal: TeacherSignal)
 def opd_batch(
     cfg: OPDConfig, run: Run, signals: TeacherSignals, timer: StepTimer
 ) -> tuple[TrainBatch, dict[str, float]]:
-    """One OPD collected batch: sample, score with the teacher, attach the signal."""
+    """One OPD collected batch: sample, score with the teacher, attach the signal. With several
+    policy ranks each rank samples and its teacher scores that rank's cell; the metrics are merged."""
     with timer.phase("rollout"):
-        collected = draw_groups(cfg, run.roles, cfg.rl.groups_per_step)
+        collected = draw_cell(cfg, run.roles, run.cells)
     with timer.phase("teacher"):
         signal = signals.score(collected.rollout, [p.prompt for p in collected.prompts])
     batch, adv_metrics = opd_train_batch(cfg, collected, signal)
-    return batch, {**rollout_metrics(collected), **signal.metrics, **adv_metrics}
+    teacher_metrics = gathered_metrics({**signal.metrics, **adv_metrics}, run.cells)
+    return batch, {**rollout_metrics(collected, run.cells), **teacher_metrics}
 
 
 def train(cfg: OPDConfig, argv: list[str] | None = None) -> Path:

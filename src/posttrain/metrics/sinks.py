@@ -31,7 +31,7 @@ from typing import IO, Any, TypeVar, cast
 
 from posttrain.metrics.console import format_step_line
 
-__all__ = ["MetricsLogger", "to_json_number"]
+__all__ = ["MetricsLogger", "OffRankLogger", "to_json_number"]
 
 _log = logging.getLogger("posttrain.metrics")
 
@@ -357,6 +357,25 @@ class MetricsLogger:
             except Exception as exc:
                 self._text = None
                 self._warn_once("sink:train.log", f"metrics sink train.log failed: {exc!r}; it is disabled")
+
+
+class OffRankLogger(MetricsLogger):
+    """What a rank other than 0 of a multi-rank run holds instead of a ``MetricsLogger``: the same
+    methods, and nothing written (rank 0 owns the run directory, the console and every sink; the
+    frames it logs are already merged over the ranks)."""
+
+    def __init__(self) -> None:  # opens no file: the parent's constructor is deliberately not run
+        self._closed = False
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Dropped: rank 0 logs the merged frame."""
+
+    def info(self, msg: str) -> None:
+        """Dropped: rank 0 says it."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+        self._closed = True
 
 
 def _drop_steps_after(path: Path, last_step: int) -> None:

@@ -59,7 +59,7 @@ def teacher_topk_tensors(batch: TrainBatch, rows: list[int], width: int, device:
 class DistillationTrainer(PolicyTrainer):
     """``PolicyTrainer`` minimising the top-k + residual generalized JSD to the teacher."""
 
-    def _prefix_sharing(self) -> bool:
+    def _prefix_sharing(self, batch: TrainBatch) -> bool:
         # The student's logprobs at the teacher's ids come from the plain (unshared) path.
         return False
 

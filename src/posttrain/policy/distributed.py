@@ -381,6 +381,40 @@ def cell_config(cfg: GRPOConfig, cells: int) -> GRPOConfig:
     return cfg.model_copy(update={"rl": rl.model_copy(update=update)})
 
 
+# -- small collectives over the default group (run-level coordination, not training) -------------
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` without a process group). A collective."""
+    _, world = rank_and_world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's picklable ``obj`` on every rank (``obj`` itself without a process group). A collective."""
+    _, world = rank_and_world()
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any rank (a stop request, a failure). A collective."""
+    _, world = rank_and_world()
+    if world == 1:
+        return flag
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t[0] > 0)
+
+
 # -- rank-aware logging -------------------------------------------------------------------------
 
 

@@ -101,6 +101,19 @@ def build_reference(policy: nn.Module, cfg: GRPOConfig) -> nn.Module | None:
     return ref
 
 
+def compile_layers(model: nn.Module) -> None:
+    """``torch.compile`` every decoder layer in place (``model.compile``), with dynamic shapes so that
+    changing batch and sequence sizes do not recompile each step."""
+    from posttrain.policy.logprobs import split_body_and_head
+
+    body, _ = split_body_and_head(model)
+    layers = getattr(body, "layers", None)
+    if layers is None:
+        raise PosttrainError(f"model.compile=true: {type(body).__name__} has no .layers to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
+
+
 def _pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
     """1-D float rows right-padded with zeros to ``width`` columns."""
     out = torch.zeros(len(rows), width, dtype=torch.float32, device=device)
@@ -134,21 +147,48 @@ class PolicyTrainer:
         self.optimizer_step = 0
         self.zero_grad_skips_total = 0
         self._param_names = {id(p): n for n, p in model.named_parameters()}
+        self._global_share: bool | None = None
+        if cfg.model.compile:
+            compile_layers(model)
 
     # -- partitioning -------------------------------------------------------------------------
     def _mini_batches(self, n: int) -> list[list[int]]:
         size = self.cfg.rl.mini_batch
         return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
 
-    def _prefix_sharing(self) -> bool:
+    def _prefix_sharing(self, batch: TrainBatch) -> bool:
         """``model.share_prompt_prefix``, except under score centering: the policy's logprobs at the
-        sampler's head come from the plain path only."""
-        return self.cfg.model.share_prompt_prefix and not self.spec.score_centering
+        sampler's head come from the plain path only. ``auto``: share when the batch's mean prompt is
+        at least as long as its mean completion (below that the shared path's cache handling costs
+        more than the repeated prompt tokens it saves)."""
+        share = self.cfg.model.share_prompt_prefix
+        if self.spec.score_centering or share is False:
+            return False
+        if share == "auto":
+            if self._global_share is not None:  # several ranks: one decision from the whole step's lengths
+                return self._global_share
+            prompt = sum(len(p) for p in batch.prompt_ids)
+            completion = sum(len(c) for c in batch.completion_ids)
+            return prompt >= completion
+        return True
+
+    def _decide_share_globally(self, batch: TrainBatch) -> None:
+        """Several policy ranks: ``share_prompt_prefix=auto`` decided on the lengths of ALL cells, so
+        every rank takes the same forward path (the shared-prefix path runs other FSDP collectives;
+        a rank-local decision could desynchronise them)."""
+        self._global_share = None
+        if self.dp is None or self.cfg.model.share_prompt_prefix != "auto":
+            return
+        lengths = torch.tensor(
+            [sum(len(p) for p in batch.prompt_ids), sum(len(c) for c in batch.completion_ids)], dtype=torch.float64
+        )
+        totals = self.dp.sum(lengths)
+        self._global_share = bool(totals[0] >= totals[1])
 
     def _shares_prefix(self, batch: TrainBatch, size: int, mini: list[int]) -> bool:
         """Whole groups per micro-batch, so each prompt can run once (``model.share_prompt_prefix``)."""
         g = batch.group_size
-        return self._prefix_sharing() and g > 1 and size % g == 0 and mini[0] % g == 0 and len(mini) % g == 0
+        return self._prefix_sharing(batch) and g > 1 and size % g == 0 and mini[0] % g == 0 and len(mini) % g == 0
 
     def _micro_batches(self, batch: TrainBatch, mini: list[int]) -> list[list[int]]:
         """Micro-batches of a mini-batch: whole groups when the prompt pass is shared, else rows sorted
@@ -162,7 +202,7 @@ class PolicyTrainer:
     def _model_batch(self, batch: TrainBatch, rows: list[int]) -> PolicyBatch | GroupedBatch:
         g = batch.group_size
         whole_groups = g > 1 and len(rows) % g == 0 and rows == list(range(rows[0], rows[0] + len(rows)))
-        if self._prefix_sharing() and whole_groups and rows[0] % g == 0:
+        if self._prefix_sharing(batch) and whole_groups and rows[0] % g == 0:
             return build_grouped_batch(
                 [batch.prompt_ids[i] for i in rows[::g]],
                 [batch.completion_ids[i] for i in rows],
@@ -308,6 +348,7 @@ class PolicyTrainer:
         """All optimizer steps of one collected batch; returns the batch's training metrics."""
         if self.dp is not None:
             self.dp.check_cells(len(batch.completion_ids))  # unequal cells would desync the collectives
+        self._decide_share_globally(batch)
         old = self._old_logprobs(batch)
         probe = old is not None and not self.cfg.rl.use_rollout_logprobs_for_loss
         self.model.train()

@@ -134,6 +134,7 @@ class VLLMRolloutEngine:
         policy: Any = None,
         enable_sleep_mode: bool = False,
         sleep_level: int = 1,
+        async_scheduling: bool | None = None,
         attention_backend: str | None = "auto",
     ) -> None:
         vllm = import_vllm()
@@ -173,6 +174,8 @@ class VLLMRolloutEngine:
         self.last_sleep_s = 0.0  # seconds the last sleep took (reported as rollout/sleep_s)
         self.last_wake_s = 0.0  # seconds spent waking up since the last sleep (weights + KV cache)
         engine_args: dict[str, Any] = {}
+        if async_scheduling is not None:
+            engine_args["async_scheduling"] = async_scheduling
         if on_cuda:
             # The device's vLLM 0.24 set has no FlashInfer: pick vLLM's own FlashAttention build.
             backend = "FLASH_ATTN" if attention_backend == "auto" else attention_backend

@@ -1,0 +1,291 @@
+"""The Ray backend (``grid.backend=ray``): the SPMD loop of ``launch/spmd.py`` run by Ray actors.
+
+The driver (the entry point) connects to ``grid.ray_address`` or starts a local cluster, reserves
+one placement group, and starts POLICY_RANKS policy actors. Each actor sets the torch.distributed
+environment (``MASTER_ADDR``/``MASTER_PORT`` of actor 0's node, ``RANK``, ``WORLD_SIZE``) and runs
+the ordinary loop, exactly as a torchrun process would.
+
+* ``colocated``: each policy actor holds its own rollout engine, as under torchrun.
+* ``disaggregated``: ROLLOUT_REPLICAS rollout actors, in bundles of their own, hold the engines.
+  Policy rank ``r`` samples on replica ``r mod ROLLOUT_REPLICAS`` through ``RolloutProxy`` (the
+  ``RolloutEngine`` protocol; every call bounded by ``ray.get(..., timeout=...)``). A replica keeps
+  one sampling stream per policy rank (its own call counter), so sampling does not depend on which
+  rank's request arrives first, and a checkpoint restores each rank's stream. After each optimizer
+  step every rank gathers the full weights (a collective); the lowest rank using a replica sends
+  them through the Ray object store (the CPU path, ``rl.weight_sync_transport=object_store``) and
+  all ranks wait at a barrier, so nobody samples from a replica before its new version is stamped.
+  A failed or partial transfer poisons the replica: it refuses to sample, and the run stops with a
+  message to resume from the last checkpoint.
+
+Any actor failure ends the run with that actor's error: the driver waits on every policy actor,
+and the first one to fail (or die) makes it kill the others, which may be blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from posttrain.config.schema import GRPOConfig
+from posttrain.errors import TrainingError
+
+NAMESPACE = "posttrain"
+CALL_TIMEOUT_S = 600.0
+# Fault injection for tests: a rollout actor exits (as if killed) on this generate call.
+EXIT_AFTER_ENV = "POSTTRAIN_TEST_ROLLOUT_EXIT_AFTER"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _config_of(kind: str, tree: dict[str, Any]) -> GRPOConfig:
+    """The run's config rebuilt inside an actor (``kind`` is the config class's import path)."""
+    import importlib
+
+    module, _, name = kind.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    cfg: GRPOConfig = cls.model_validate(tree)
+    return cfg
+
+
+class PolicyRankActor:
+    """One policy rank: the torch.distributed environment, then the loop (``train``)."""
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port (asked of rank 0: the process group's rendezvous)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def run(self, rank: int, world: int, master: tuple[str, int], job: dict[str, Any]) -> str:
+        """Run the loop as rank ``rank`` of ``world``; returns the run directory."""
+        import importlib
+
+        os.environ.update(
+            MASTER_ADDR=master[0],
+            MASTER_PORT=str(master[1]),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK="0",  # Ray gives each actor its own GPU (CUDA_VISIBLE_DEVICES)
+        )
+        cfg = _config_of(job["config_class"], job["config"])
+        module, _, name = job["train"].partition(":")
+        train = getattr(importlib.import_module(module), name)
+        return str(train(cfg, argv=job["argv"]))
+
+
+class RolloutActor:
+    """One rollout replica: a transformers engine on its own copy of the policy, one sampling stream
+    per policy rank, weights received from the policy ranks with a version stamp."""
+
+    def __init__(self, tree: dict[str, Any], config_class: str) -> None:
+        from posttrain.models.loading import load_model_and_tokenizer
+
+        cfg = _config_of(config_class, tree)
+        self.model, self.tokenizer = load_model_and_tokenizer(cfg.model)
+        self.batch_size = cfg.rollout.batch_size
+        self.engines: dict[int, Any] = {}
+        self.weight_version = 0
+        self.poisoned: str | None = None
+        self.calls = 0
+
+    def _engine(self, cell: int) -> Any:
+        from posttrain.rollout.hf_engine import HFRolloutEngine
+
+        if cell not in self.engines:
+            self.engines[cell] = HFRolloutEngine(self.model, self.tokenizer, batch_size=self.batch_size)
+        return self.engines[cell]
+
+    def generate(self, cell: int, prompt_token_ids: list[list[int]], n: int, params: Any) -> Any:
+        if self.poisoned is not None:
+            raise TrainingError(f"the rollout replica cannot sample: {self.poisoned}")
+        self.calls += 1
+        if os.environ.get(EXIT_AFTER_ENV) == str(self.calls):
+            os._exit(1)  # the test's stand-in for a killed or crashed rollout process
+        engine = self._engine(cell)
+        engine.weight_version = self.weight_version
+        return engine.generate(prompt_token_ids, n, params)
+
+    def load_weights(self, named_tensors: dict[str, Any], version: int) -> int:
+        """Copy the full weights in; the version is stamped only once every tensor was copied."""
+        try:
+            self._engine(-1).load_weights(named_tensors, version=version)
+        except Exception as err:
+            self.poisoned = f"the weight transfer of version {version} failed midway ({err}); its weights are mixed"
+            raise
+        self.weight_version = version
+        return version
+
+    def state_dict(self, cell: int) -> dict[str, int]:
+        return dict(self._engine(cell).state_dict())
+
+    def load_state_dict(self, cell: int, state: dict[str, int]) -> None:
+        self._engine(cell).load_state_dict(state)
+
+
+class RolloutProxy:
+    """A policy rank's view of its rollout replica: the ``RolloutEngine`` protocol over Ray calls,
+    each bounded by ``timeout_s``. ``owner``: this rank sends the replica its weights."""
+
+    needs_barrier = True
+
+    def __init__(self, actor: Any, cell: int, *, owner: bool, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        self.actor, self.cell, self.owner, self.timeout_s = actor, cell, owner, timeout_s
+        self.weight_version = 0
+        self.poisoned: str | None = None
+
+    def _get(self, ref: Any, what: str) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TrainingError(f"the rollout replica did not answer {what} within {self.timeout_s:.0f}s") from None
+        except ray.exceptions.RayActorError as err:
+            raise TrainingError(
+                f"the rollout replica died during {what}; the run stops (resume from the last checkpoint with "
+                f"rl.resume=auto): {err}"
+            ) from None
+
+    def generate(self, prompt_token_ids: list[list[int]], n: int, params: Any) -> Any:
+        if self.poisoned is not None:
+            raise TrainingError(f"{self.poisoned}. Resume from the last checkpoint (rl.resume=auto).")
+        return self._get(self.actor.generate.remote(self.cell, prompt_token_ids, n, params), "generate")
+
+    def load_weights(self, named_tensors: Any, version: int) -> None:
+        if named_tensors is None:
+            raise TrainingError("a disaggregated rollout replica needs the full weights (a state dict), not None")
+        if self.owner:
+            start = time.perf_counter()
+            payload = {k: v.detach().cpu() for k, v in dict(named_tensors).items()}
+            try:
+                self._get(self.actor.load_weights.remote(payload, version), "load_weights")
+            except Exception as err:
+                self.poisoned = f"weight sync of version {version} to the rollout replica failed: {err}"
+                raise TrainingError(f"{self.poisoned}. Resume from the last checkpoint (rl.resume=auto).") from err
+            self.sync_s = time.perf_counter() - start
+        self.weight_version = version
+
+    def state_dict(self) -> dict[str, int]:
+        state: dict[str, int] = self._get(self.actor.state_dict.remote(self.cell), "state_dict")
+        return state
+
+    def load_state_dict(self, state: Any) -> None:
+        self._get(self.actor.load_state_dict.remote(self.cell, dict(state)), "load_state_dict")
+
+    def close(self) -> None:
+        """The driver owns the replica's lifetime."""
+
+
+def rollout_proxy(cfg: GRPOConfig, rank: int) -> RolloutProxy:
+    """This policy rank's proxy to its replica (``rank mod ROLLOUT_REPLICAS``), found by name."""
+    import ray
+
+    replicas = cfg.grid.shapes.rollout[0]
+    actor = ray.get_actor(f"rollout-{rank % replicas}", namespace=NAMESPACE)
+    return RolloutProxy(actor, rank, owner=rank < replicas, timeout_s=cfg.grid.collective_timeout_s)
+
+
+# -- the driver -----------------------------------------------------------------------------------
+
+
+def _connect(cfg: GRPOConfig, bundles: int) -> bool:
+    """Join ``grid.ray_address``, or start a local cluster; True when this process started it."""
+    import ray
+
+    keep = ("PYTHONPATH", "OMP_NUM_THREADS", EXIT_AFTER_ENV)
+    runtime_env = {"env_vars": {k: os.environ[k] for k in keep if k in os.environ}}
+    if cfg.grid.ray_address is not None:
+        ray.init(address=cfg.grid.ray_address, namespace=NAMESPACE, runtime_env=runtime_env)
+        return False
+    ray.init(
+        num_cpus=max(bundles, os.cpu_count() or 1),
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        runtime_env=runtime_env,
+        log_to_driver=True,
+    )
+    return True
+
+
+def _cause(err: BaseException) -> str:
+    """The actor's own exception behind a Ray error, as ``Type: message``."""
+    cause = getattr(err, "cause", None) or err
+    return f"{type(cause).__name__}: {cause}"
+
+
+def _wait_all(refs: list[Any]) -> list[Any]:
+    """Every policy rank's result; the first rank that fails (or dies) raises at once."""
+    import ray
+
+    pending, results = list(refs), {}
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        for ref in ready:
+            rank = refs.index(ref)
+            try:
+                results[rank] = ray.get(ref)
+            except Exception as err:
+                raise TrainingError(f"policy rank {rank} failed: {_cause(err)}") from None
+    return [results[r] for r in range(len(refs))]
+
+
+def _job(cfg: GRPOConfig, argv: list[str], config_class: str, train: str) -> dict[str, Any]:
+    """What each policy actor needs: the config (its output root made absolute: actors do not share
+    the driver's working directory), the argv for provenance, and the loop to run."""
+    from posttrain.loop.run_dir import output_root
+
+    cfg = cfg.model_copy(update={"job": cfg.job.model_copy(update={"output_root": str(output_root(cfg).resolve())})})
+    return {"config": cfg.model_dump(mode="json"), "config_class": config_class, "train": train, "argv": argv}
+
+
+def train_with_ray(cfg: GRPOConfig, argv: list[str], config_class: str, train: str) -> Path:
+    """Run the loop on Ray actors (see the module docstring); returns the run directory."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    grid = cfg.grid
+    ranks, replicas = grid.policy_ranks, grid.shapes.rollout[0]
+    remote_rollout = grid.gpu_placement == "disaggregated"
+    bundles = ranks + (replicas if remote_rollout else 0)
+    started = _connect(cfg, bundles)
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+    unit = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
+    pg = placement_group([dict(unit) for _ in range(bundles)], strategy="PACK")
+    actors: list[Any] = []
+    try:
+        ray.get(pg.ready(), timeout=grid.collective_timeout_s)
+
+        def place(cls: type, index: int, **options: Any) -> Any:
+            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+            actor: Any = ray.remote(cls).options(num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy, **options)
+            return actor
+
+        job = _job(cfg, argv, config_class, train)
+        for i in range(replicas if remote_rollout else 0):
+            actors.append(
+                place(RolloutActor, ranks + i, name=f"rollout-{i}", namespace=NAMESPACE).remote(
+                    job["config"], config_class
+                )
+            )
+        ray.get([a.state_dict.remote(0) for a in actors], timeout=grid.collective_timeout_s)  # replicas are up
+        policies = [place(PolicyRankActor, r).remote() for r in range(ranks)]
+        actors += policies
+        master = ray.get(policies[0].address.remote(), timeout=grid.collective_timeout_s)
+        results = _wait_all([p.run.remote(r, ranks, master, job) for r, p in enumerate(policies)])
+        return Path(results[0])
+    except ray.exceptions.GetTimeoutError as err:
+        raise TrainingError(f"the Ray cluster did not start the run's actors in time: {err}") from None
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        remove_placement_group(pg)
+        if started:
+            ray.shutdown()

@@ -1,0 +1,99 @@
+"""The SPMD policy world: every policy rank runs the same loop on its own data cell.
+
+Under ``torchrun --nproc-per-node N`` (``grid.backend=local``, ``grid.shapes.policy=[1,N]``) each
+process is one policy rank and one data cell. The loop is the single-process loop with four
+differences, all decided here or in ``loop/grpo.py``:
+
+* the process group is joined from torchrun's environment before anything else
+  (``init_policy_world``; gloo on CPU, NCCL on CUDA, ``grid.collective_timeout_s`` on every collective);
+* every rank draws the SAME prompts (one data source per rank, same seed, so the cursors never
+  differ) and samples and scores only its cell's whole groups;
+* the rollout engine of each rank holds its own unsharded copy of the policy, refreshed from the
+  FSDP2 shards after every optimizer step (``full_state_dict``, a collective);
+* only rank 0 writes the run directory, the console and the metrics; the metrics of a step are
+  merged across ranks first (``merge_rank_metrics``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from posttrain.config.schema import GRPOConfig
+
+
+@dataclass(frozen=True)
+class Cells:
+    """This process's data cell: ``index`` of ``count`` policy ranks (cell 0 of 1 in one process)."""
+
+    index: int = 0
+    count: int = 1
+
+    @property
+    def multi(self) -> bool:
+        """Whether several policy ranks share the step (every helper below is then a collective)."""
+        return self.count > 1
+
+
+def env_world_size() -> int:
+    """``WORLD_SIZE`` as torchrun (or a Ray policy actor) set it; 1 when unset."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def init_policy_world(cfg: GRPOConfig) -> int:
+    """Join the process group when launched with ``WORLD_SIZE > 1``; returns the world size.
+
+    A no-op in a single process (no group is created, so every single-process code path is the
+    one it always was).
+    """
+    world = env_world_size()
+    if world > 1:
+        from posttrain.policy.distributed import RankFilter, init_process_group
+
+        init_process_group(timeout_s=cfg.grid.collective_timeout_s)
+        import logging
+
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(RankFilter())
+    return world
+
+
+def close_policy_world() -> None:
+    """Leave the process group (end of a multi-rank run); nothing to do in one process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _merge_one(key: str, values: Sequence[float]) -> float:
+    """One metric over the ranks, by what its name says it measures."""
+    if key.endswith("_max"):
+        return max(values)
+    if key.endswith("_min"):
+        return min(values)
+    if key.endswith(("_per_s", "_count", "_tokens", "_sequences")):
+        return float(sum(values))  # throughputs and counts add up over the ranks
+    if key.endswith("_s"):
+        return max(values)  # wall time of a phase: the slowest rank's
+    return sum(values) / len(values)  # a per-cell mean: cells are equal in trajectories
+
+
+def merge_rank_metrics(frames: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Per-rank metric dicts combined into one: sums for counts and throughputs, max for maxima and
+    wall times, min for minima, the mean over ranks for everything else. A key missing on a rank
+    is merged over the ranks that have it."""
+    keys: list[str] = []
+    for frame in frames:
+        keys += [k for k in frame if k not in keys]
+    return {k: _merge_one(k, [float(f[k]) for f in frames if k in f]) for k in keys}
+
+
+def gathered_metrics(metrics: Mapping[str, float], cells: Cells) -> dict[str, float]:
+    """``metrics`` merged over every policy rank (a collective when ``cells.multi``)."""
+    if not cells.multi:
+        return dict(metrics)
+    from posttrain.policy.distributed import gather_objects
+
+    return merge_rank_metrics(gather_objects(dict(metrics)))

@@ -1,0 +1,41 @@
+"""The SPMD loop's pure helpers: which groups a data cell samples, and how per-rank metrics merge."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.config.loading import build_config
+from posttrain.launch.spmd import Cells, merge_rank_metrics
+from posttrain.loop.grpo import cell_groups, sampling_params
+
+
+def test_cell_groups_are_the_cells_slice_of_every_mini_batch() -> None:
+    cfg = build_config(None, ["rl.batch_per_replica=16", "rl.group_size=2"])  # 8 groups, one mini-batch
+    assert cell_groups(cfg, Cells(0, 2)) == [0, 1, 2, 3]
+    assert cell_groups(cfg, Cells(1, 2)) == [4, 5, 6, 7]
+    two_mini = build_config(None, ["rl.batch_per_replica=16", "rl.group_size=2", "rl.mini_batch_per_replica=8"])
+    assert cell_groups(two_mini, Cells(0, 2)) == [0, 1, 4, 5]  # its share of the global 1st and 2nd step
+    assert cell_groups(two_mini, Cells(1, 2)) == [2, 3, 6, 7]
+    assert cell_groups(cfg, Cells()) == list(range(8))
+
+
+def test_each_cell_samples_its_own_stream() -> None:
+    cfg = build_config(None, ["rollout.seed=7"])
+    assert [sampling_params(cfg, c).seed for c in (0, 1, 2)] == [7, 8, 9]
+    assert sampling_params(build_config(None, ["rollout.seed=null"]), 1).seed is None
+
+
+def test_rank_metrics_merge_by_what_they_measure() -> None:
+    frames = [
+        {"rollout/gen_s": 2.0, "rollout/tokens_per_s": 10.0, "rollout/generated_tokens": 20.0, "a/kl_max": 0.1},
+        {"rollout/gen_s": 3.0, "rollout/tokens_per_s": 5.0, "rollout/generated_tokens": 15.0, "a/kl_max": 0.3},
+    ]
+    frames[0]["train/opd_teacher_score_success_count"] = 1.0
+    frames[1]["train/opd_teacher_score_success_count"] = 1.0
+    frames[0]["train/opd_divergence"], frames[1]["train/opd_divergence"] = 0.2, 0.4
+    merged = merge_rank_metrics(frames)
+    assert merged["rollout/gen_s"] == 3.0  # the slowest rank's wall time
+    assert merged["rollout/tokens_per_s"] == 15.0 and merged["rollout/generated_tokens"] == 35.0
+    assert merged["a/kl_max"] == 0.3 and merged["train/opd_teacher_score_success_count"] == 2.0
+    assert merged["train/opd_divergence"] == pytest.approx(0.3)
+    assert merge_rank_metrics([{"x_min": 1.0}, {"x_min": -1.0, "only_here": 4.0}]) == {"x_min": -1.0, "only_here": 4.0}
