@@ -76,3 +76,43 @@ def test_one_step_off_policy_overlaps_sampling_with_training(
     # steps 2 and 3 trained on batches sampled before the previous update had been published
     assert records[0]["train/logprob_gap_max"] < 1e-3
     assert min(r["train/logprob_gap_max"] for r in records[1:]) > 1e-3
+
+
+def test_opd_with_a_vllm_teacher(tmp_path: Path, smollm2_tokenizer_dir: str) -> None:
+    """Direct OPD whose teacher scores through vLLM prompt logprobs (its own engine in the run's
+    process), the student sampling with the transformers engine."""
+    import os
+    import sys
+
+    student = make_tiny_model(str(tmp_path / "s"), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1, seed=1)
+    teacher = make_tiny_model(str(tmp_path / "t"), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1, seed=2)
+    overrides = [
+        f"model.name_or_path={student}",
+        f"rl.teacher.name_or_path={teacher}",
+        "rl.teacher.backend=vllm",
+        "rl.teacher.top_k=4",
+        "rl.teacher.max_model_len=256",
+        f"job.output_root={tmp_path / 'out'}",
+        "job.name=vllm_teacher",
+        "rl.max_steps=2",
+        "rl.batch_per_replica=8",
+        "rl.group_size=4",
+        "rollout.max_tokens=6",
+        "rl.reward=constant",
+    ]
+    res = subprocess.run(
+        [sys.executable, "-m", "posttrain.entrypoints.opd", "--config", "opd_direct", "--", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ),
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "teacher " in res.stdout and "(vllm, shared_vocab/topk)" in res.stdout
+    run_dir = next((tmp_path / "out" / "posttrain" / "opd").glob("*/*"))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["train/opd_teacher_score_success_count"] == 1 and r["train/opd_divergence"] > 0
+        assert r["train/opd_teacher_scored_sequences"] == 8 and 8 <= r["train/opd_teacher_scored_tokens"] <= 8 * 6

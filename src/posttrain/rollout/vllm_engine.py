@@ -114,6 +114,34 @@ def _head(entry: Mapping[int, Any], k: int) -> tuple[list[int], list[float]]:
     return [int(i) for i, _ in ranked], [float(lp.logprob) for _, lp in ranked]
 
 
+def build_llm(vllm: Any, **engine_args: Any) -> tuple[Any, int]:
+    """``vllm.LLM(**engine_args)`` and the torch thread count vLLM chose, keeping this process's own.
+
+    On CPU, vLLM's worker sets torch to one thread and replaces ``torch.set_num_threads`` by a no-op
+    for the whole process; colocated, that would starve the trainer, so both are restored, and
+    vLLM's own count is applied only while it runs (:func:`engine_thread_count`). That matters: on 2
+    cores SmolLM2-135M sampled 58 tokens/s with vLLM's one thread and 22-25 with two.
+    """
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        llm = vllm.LLM(**engine_args)
+        return llm, torch.get_num_threads()
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+
+
+@contextmanager
+def engine_thread_count(engine_threads: int) -> Iterator[None]:
+    """Run vLLM with the torch thread count it chose for itself, then give the trainer its own."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(engine_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class VLLMRolloutEngine:
     """Samples completions with an in-process vLLM ``LLM`` built from a Hugging Face model directory."""
 
@@ -199,32 +227,11 @@ class VLLMRolloutEngine:
         self.start_s = time.perf_counter() - start
 
     def _build(self, vllm: Any, **engine_args: Any) -> Any:
-        """``vllm.LLM(**engine_args)``, keeping this process's torch thread settings.
+        llm, self._engine_threads = build_llm(vllm, **engine_args)
+        return llm
 
-        On CPU, vLLM's worker sets torch to one thread and replaces ``torch.set_num_threads`` by a
-        no-op for the whole process; colocated, that would starve the trainer, so both are restored,
-        and vLLM's own count is applied only while it runs (``_engine_threads``). That matters: on 2
-        cores SmolLM2-135M sampled 58 tokens/s with vLLM's one thread and 22-25 with two.
-        """
-        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-        self._engine_threads = threads
-        try:
-            llm = vllm.LLM(**engine_args)
-            self._engine_threads = torch.get_num_threads()
-            return llm
-        finally:
-            torch.set_num_threads = set_num_threads
-            torch.set_num_threads(threads)
-
-    @contextmanager
-    def _engine_thread_count(self) -> Iterator[None]:
-        """Run vLLM with the torch thread count it chose for itself, then give the trainer its own."""
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self._engine_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)
+    def _engine_thread_count(self) -> Any:
+        return engine_thread_count(self._engine_threads)
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from posttrain.teacher.base import ScoreRequest, SequenceScores, TeacherError, check_requests
 
 
@@ -37,20 +39,24 @@ class VLLMTeacher:
         max_model_len: int | None = None,
         dtype: str = "auto",
     ) -> None:
-        from posttrain.rollout.vllm_engine import import_vllm
+        from posttrain.rollout.vllm_engine import build_llm, import_vllm
 
         vllm = import_vllm()
+        self.engine_threads = torch.get_num_threads()
         if llm is None:
             if model_dir is None:
                 raise TeacherError("VLLMTeacher needs a model directory or an LLM")
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            llm = vllm.LLM(
+            llm, self.engine_threads = build_llm(
+                vllm,
                 model=model_dir,
                 gpu_memory_utilization=gpu_memory_utilization,
                 tensor_parallel_size=tensor_parallel_size,
                 max_model_len=max_model_len,
                 dtype=dtype,
                 enable_prefix_caching=False,
+                # the rollout engine's choice on CUDA (docs/vllm.md: the device's vLLM has no FlashInfer)
+                **({"attention_backend": "FLASH_ATTN"} if torch.cuda.is_available() else {}),
             )
         self.llm = llm
         self.vllm = vllm
@@ -63,7 +69,10 @@ class VLLMTeacher:
         check_requests(requests, self.vocab_size, self.max_model_len)
         params = self.vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_k, detokenize=False)
         prompts = [{"prompt_token_ids": r.token_ids} for r in requests]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        from posttrain.rollout.vllm_engine import engine_thread_count
+
+        with engine_thread_count(self.engine_threads):
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         scores = []
         for n, (req, out) in enumerate(zip(requests, outputs, strict=True)):
             entries = out.prompt_logprobs
