@@ -8,8 +8,9 @@ and the LM-head weight, for ``rows x tokens`` positions. The naive path material
 ``[rows*tokens, vocab]`` logits, upcasts them to fp32 and takes a full log_softmax (what a plain
 ``model(...).logits.float().log_softmax(-1)`` does); the chunked path is
 ``posttrain.policy.logprobs.chunked_head_logprobs`` (fp32 logits of one chunk at a time, recomputed
-in backward). On CUDA the figure is ``torch.cuda.max_memory_allocated`` above the inputs; the
-script also checks that both paths give the same logprobs and gradients.
+in backward). On CUDA the figure is ``torch.cuda.max_memory_allocated`` above the inputs, and the
+script also checks that both paths give the same logprobs. On a CPU each path runs in a fresh
+subprocess and the figure is the growth of its peak resident memory (``ru_maxrss``) over the inputs.
 """
 
 from __future__ import annotations
@@ -39,6 +40,26 @@ def chunked(chunk: int) -> Callable[[Tensor, Tensor, nn.Module], Tensor]:
     return run
 
 
+def _rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cpu_isolated(args: argparse.Namespace) -> dict[str, int]:
+    """Each path's peak RSS growth over its inputs, measured in a subprocess of its own."""
+    import subprocess
+    import sys
+
+    out = {}
+    for name in ("chunked", "naive"):
+        cmd = [sys.executable, __file__, "--only", name, *sys.argv[1:]]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        out[name] = int(res.stdout.strip().splitlines()[-1])
+    return out
+
+
 def measure(
     fn: Callable[[Tensor, Tensor, nn.Module], Tensor], hidden_NH: Tensor, ids_N: Tensor, head: nn.Module
 ) -> dict[str, object]:
@@ -56,7 +77,7 @@ def measure(
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() - base if cuda else -1
+    peak = torch.cuda.max_memory_allocated() - base if cuda else _rss_bytes()
     grad_w = next(head.parameters()).grad
     assert hidden.grad is not None and grad_w is not None
     return {
@@ -77,6 +98,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only", choices=["chunked", "naive"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
@@ -85,6 +107,22 @@ def main() -> None:
     head = nn.Linear(args.hidden, args.vocab, bias=False).to(device=device, dtype=dtype)
     hidden_NH = torch.randn(n, args.hidden, device=device, dtype=dtype)
     ids_N = torch.randint(0, args.vocab, (n,), device=device)
+    if args.only:  # CPU child: one path, print its peak RSS growth over the inputs
+        base = _rss_bytes()
+        fn = chunked(args.chunk) if args.only == "chunked" else naive
+        measure(fn, hidden_NH, ids_N, head)
+        print(_rss_bytes() - base)
+        return
+    if device.type == "cpu":
+        peaks = cpu_isolated(args)
+        report_cpu = {"device": "cpu", "rows": args.rows, "tokens": args.tokens, "vocab": args.vocab}
+        report_cpu |= {f"{k}_peak_gib": round(v / 2**30, 3) for k, v in peaks.items()}
+        report_cpu["chunked_over_naive"] = round(peaks["chunked"] / max(1, peaks["naive"]), 3)
+        print(json.dumps(report_cpu, indent=2))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report_cpu, f, indent=2)
+        return
     results = {}
     for name, fn in (("chunked", chunked(args.chunk)), ("naive", naive)):
         measure(fn, hidden_NH, ids_N, head)  # warm-up (kernels, allocator)
