@@ -13,14 +13,13 @@ logprob) falls as the student moves toward the teacher. DPCA needs unwarped samp
 
 from posttrain.config.opd import OPDConfig
 from posttrain.models.opd_demo import OTHER_VOCAB, demo_dir
+from posttrain.recipes.opd_direct import make_config as make_direct
 
 
 def make_config() -> OPDConfig:
-    cfg = OPDConfig()
-    cfg.job.group = "opd"
+    cfg = make_direct()  # same task, batch, teacher and schedule; another student and objective
     cfg.job.name = "arithmetic_smollm2_dpca"
     cfg.model.name_or_path = str(demo_dir() / OTHER_VOCAB)
-    cfg.rl.teacher.name_or_path = "embedded:smollm2-135m-instruct"
     cfg.rl.teacher.input_mode = "cross_token_text"
     cfg.rl.teacher.signal_mode = "dpca"
     cfg.rl.teacher.top_k = 0
@@ -28,9 +27,5 @@ def make_config() -> OPDConfig:
     cfg.rl.jsd_beta = None
     cfg.rl.kl_penalty_coef = 1.0
     cfg.rl.reward = "constant"
-    cfg.rl.max_steps = 30
-    cfg.rl.group_size = 4
-    cfg.rl.batch_per_replica = 16
     cfg.rl.optimizer.lr = 2e-5
-    cfg.rollout.max_tokens = 24
     return cfg
