@@ -1,5 +1,7 @@
 """The Ray backend on a local Ray cluster (CPU, gloo): GRPO with 2 policy-rank actors and 1 rollout
-replica, colocated and disaggregated, and a rollout actor that dies mid-run.
+replica, colocated and disaggregated (weights through the object store, and by broadcasts in a
+two-process group: ``rl.weight_sync_transport=nccl``, gloo on CPU), and a rollout actor that dies
+mid-run.
 
 Each run is a driver subprocess (``python -m posttrain.entrypoints.grpo ... grid.backend=ray``) that
 starts and stops its own local cluster, so no Ray state leaks into this pytest process; every
@@ -61,7 +63,8 @@ def test_colocated_and_disaggregated_runs_train_the_same(
     tiny_model_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path
 ) -> None:
     runs = {}
-    for name, extra in (("colocated", []), ("disaggregated", DISAGGREGATED)):
+    nccl = ["grid.gpu_placement=disaggregated", "rl.weight_sync_transport=nccl"]  # gloo broadcasts on CPU
+    for name, extra in (("colocated", []), ("disaggregated", DISAGGREGATED), ("collective", nccl)):
         overrides = run_overrides(tiny_model_dir, tmp_path, name, *RAY, *extra, "rl.max_steps=3")
         res = _driver(overrides)
         assert res.returncode == 0, res.stderr[-3000:]
@@ -69,9 +72,10 @@ def test_colocated_and_disaggregated_runs_train_the_same(
     for frames in runs.values():
         assert [f["step"] for f in frames] == [1, 2, 3]
         assert all(f["train/grad_norm"] > 0 and f["optim/step"] == f["step"] for f in frames)
-    for mine, theirs in zip(runs["colocated"], runs["disaggregated"]):
-        for key in ("train/reward_mean", "train/loss_avg", "train/grad_norm"):
-            assert theirs[key] == pytest.approx(mine[key], rel=1e-6, abs=1e-9), (mine["step"], key)
+    for other in ("disaggregated", "collective"):
+        for mine, theirs in zip(runs["colocated"], runs[other]):
+            for key in ("train/reward_mean", "train/loss_avg", "train/grad_norm"):
+                assert theirs[key] == pytest.approx(mine[key], rel=1e-6, abs=1e-9), (other, mine["step"], key)
 
 
 def test_a_dead_rollout_actor_stops_the_run(

@@ -103,11 +103,6 @@ def _errors(overrides: list[str], monkeypatch: pytest.MonkeyPatch, world_size: s
             "ROLLOUT_REPLICAS must be <= POLICY_RANKS",
         ),
         (["grid.backend=ray", "grid.gpu_placement=disaggregated"], None, "use object_store"),
-        (
-            ["grid.backend=ray", "grid.gpu_placement=disaggregated", "rl.weight_sync_transport=nccl"],
-            None,
-            "rl.weight_sync_transport=nccl is not implemented yet",
-        ),
         (["rl.weight_sync_transport=object_store"], None, "colocated engines receive the weights in their own process"),
         (["grid.shapes.policy=[1,2]", "rl.max_off_policy_steps=1"], None, "use rl.max_off_policy_steps=0 with several"),
         (["grid.shapes.rollout=[2,1]"], None, LOCAL_ENGINES),
@@ -136,6 +131,7 @@ def test_topology_problems_are_named(
             "grid.gpu_placement=disaggregated",
             "rl.weight_sync_transport=object_store",
         ],
+        ["grid.backend=ray", "grid.gpu_placement=disaggregated", "rl.weight_sync_transport=nccl"],
     ],
 )
 def test_valid_multi_rank_layouts_are_accepted(monkeypatch: pytest.MonkeyPatch, overrides: list[str]) -> None:
@@ -213,10 +209,10 @@ def test_validate_manifest_checks_the_ray_layout_without_ray() -> None:
         "grid.gpu_placement=disaggregated",
         "grid.shapes.policy=[1,2]",
         "grid.shapes.rollout=[3,1]",
-        "rl.weight_sync_transport=nccl",
+        "rl.weight_sync_transport=nixl",
     )
     assert res.returncode == 1
-    for needle in ("ROLLOUT_REPLICAS must be <= POLICY_RANKS", "rl.weight_sync_transport=nccl is not implemented yet"):
+    for needle in ("ROLLOUT_REPLICAS must be <= POLICY_RANKS", "rl.weight_sync_transport=nixl"):
         assert needle in res.stderr, res.stderr
     assert "| ray" not in res.stderr and "| torch" not in res.stderr  # nothing heavy imported
     ok = _validate("grid.backend=ray", "grid.shapes.policy=[1,2]")

@@ -298,8 +298,9 @@ class RLConfig(_Section):
     weight_sync_transport: Literal["inprocess", "object_store", "nccl", "nixl"] = "inprocess"
     """How new policy weights reach the rollout engine: ``inprocess`` (colocated: the engine shares or
     copies the policy in its own process), ``object_store`` (disaggregated Ray replicas: the full
-    state dict through Ray's object store, the CPU path), ``nccl`` / ``nixl`` (GPU transports for
-    disaggregated replicas; not implemented yet)."""
+    state dict through Ray's object store), ``nccl`` (disaggregated replicas: broadcasts in a process
+    group of the policy rank and its replica; NCCL on GPUs, gloo on CPU), ``nixl`` (not implemented
+    yet)."""
 
     @property
     def mini_batch(self) -> int:

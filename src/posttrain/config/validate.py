@@ -338,10 +338,10 @@ def check_weight_sync(cfg: GRPOConfig, out: Findings) -> None:
         )
     elif transport == "nixl" and importlib.util.find_spec("nixl") is None:
         out.errors.append("rl.weight_sync_transport=nixl but the nixl library is not installed (import nixl fails)")
-    elif transport in ("nccl", "nixl"):
+    elif transport == "nixl":
         out.errors.append(
-            f"rl.weight_sync_transport={transport} is not implemented yet; use object_store (the full state dict "
-            "through Ray's object store)"
+            "rl.weight_sync_transport=nixl is not implemented yet; use nccl (broadcasts between the policy rank "
+            "and its replica) or object_store (the full state dict through Ray's object store)"
         )
 
 

@@ -12,8 +12,9 @@ the ordinary loop, exactly as a torchrun process would.
   one sampling stream per policy rank (its own call counter), so sampling does not depend on which
   rank's request arrives first, and a checkpoint restores each rank's stream. After each optimizer
   step every rank gathers the full weights (a collective); the lowest rank using a replica sends
-  them through the Ray object store (the CPU path, ``rl.weight_sync_transport=object_store``) and
-  all ranks wait at a barrier, so nobody samples from a replica before its new version is stamped.
+  them, through the Ray object store (``rl.weight_sync_transport=object_store``) or by broadcasts in
+  a process group of the two (``nccl``: NCCL between GPUs, gloo on CPU; ``launch/weight_sync.py``),
+  and all ranks wait at a barrier, so nobody samples from a replica before its new version is stamped.
   A failed or partial transfer poisons the replica: it refuses to sample, and the run stops with a
   message to resume from the last checkpoint.
 
@@ -122,6 +123,25 @@ class RolloutActor:
         self.weight_version = version
         return version
 
+    def join_sync(self, host: str, port: int, timeout_s: float) -> bool:
+        """Join the owner's two-process group for collective weight sync (``nccl`` transport)."""
+        from posttrain.launch.weight_sync import pair_group
+
+        self.group = pair_group(host, port, 1, timeout_s=timeout_s)
+        return True
+
+    def receive_weights(self, meta: list[Any], version: int) -> int:
+        """Receive the owner's broadcasts (``launch/weight_sync.py``), then load them as one version.
+        A transfer that breaks off poisons the replica: the stream between the two is out of step."""
+        from posttrain.launch.weight_sync import receive
+
+        try:
+            tensors = receive(self.group, meta, next(self.model.parameters()).device)
+        except Exception as err:
+            self.poisoned = f"the weight transfer of version {version} broke off ({err})"
+            raise
+        return self.load_weights(tensors, version)
+
     def state_dict(self, cell: int) -> dict[str, int]:
         return dict(self._engine(cell).state_dict())
 
@@ -135,10 +155,14 @@ class RolloutProxy:
 
     needs_barrier = True
 
-    def __init__(self, actor: Any, cell: int, *, owner: bool, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    def __init__(
+        self, actor: Any, cell: int, *, owner: bool, timeout_s: float = CALL_TIMEOUT_S, transport: str = "object_store"
+    ) -> None:
         self.actor, self.cell, self.owner, self.timeout_s = actor, cell, owner, timeout_s
+        self.transport = transport
         self.weight_version = 0
         self.poisoned: str | None = None
+        self.group: Any = None
 
     def _get(self, ref: Any, what: str) -> Any:
         import ray
@@ -163,14 +187,32 @@ class RolloutProxy:
             raise TrainingError("a disaggregated rollout replica needs the full weights (a state dict), not None")
         if self.owner:
             start = time.perf_counter()
-            payload = {k: v.detach().cpu() for k, v in dict(named_tensors).items()}
             try:
-                self._get(self.actor.load_weights.remote(payload, version), "load_weights")
+                if self.transport == "nccl":
+                    self._send_collective(dict(named_tensors), version)
+                else:
+                    payload = {k: v.detach().cpu() for k, v in dict(named_tensors).items()}
+                    self._get(self.actor.load_weights.remote(payload, version), "load_weights")
             except Exception as err:
                 self.poisoned = f"weight sync of version {version} to the rollout replica failed: {err}"
                 raise TrainingError(f"{self.poisoned}. Resume from the last checkpoint (rl.resume=auto).") from err
             self.sync_s = time.perf_counter() - start
         self.weight_version = version
+
+    def _send_collective(self, named_tensors: dict[str, Any], version: int) -> None:
+        """Broadcast the weights to the replica in the two-process group (opened on first use)."""
+        import ray
+
+        from posttrain.launch import weight_sync
+
+        if self.group is None:
+            host, port = ray.util.get_node_ip_address(), _free_port()
+            joined = self.actor.join_sync.remote(host, port, self.timeout_s)
+            self.group = weight_sync.pair_group(host, port, 0, timeout_s=self.timeout_s)
+            self._get(joined, "join_sync")
+        received = self.actor.receive_weights.remote(weight_sync.describe(named_tensors), version)
+        weight_sync.send(self.group, named_tensors)
+        self._get(received, "receive_weights")
 
     def state_dict(self) -> dict[str, int]:
         state: dict[str, int] = self._get(self.actor.state_dict.remote(self.cell), "state_dict")
@@ -189,7 +231,13 @@ def rollout_proxy(cfg: GRPOConfig, rank: int) -> RolloutProxy:
 
     replicas = cfg.grid.shapes.rollout[0]
     actor = ray.get_actor(f"rollout-{rank % replicas}", namespace=NAMESPACE)
-    return RolloutProxy(actor, rank, owner=rank < replicas, timeout_s=cfg.grid.collective_timeout_s)
+    return RolloutProxy(
+        actor,
+        rank,
+        owner=rank < replicas,
+        timeout_s=cfg.grid.collective_timeout_s,
+        transport=cfg.rl.weight_sync_transport,
+    )
 
 
 # -- the driver -----------------------------------------------------------------------------------
@@ -283,6 +331,8 @@ def train_with_ray(cfg: GRPOConfig, argv: list[str], config_class: str, train: s
         return Path(results[0])
     except ray.exceptions.GetTimeoutError as err:
         raise TrainingError(f"the Ray cluster did not start the run's actors in time: {err}") from None
+    except ray.exceptions.RayError as err:  # an actor that failed to start (a rollout replica's model load)
+        raise TrainingError(f"a Ray actor of the run failed: {_cause(err)}") from None
     finally:
         for actor in actors:
             ray.kill(actor)
