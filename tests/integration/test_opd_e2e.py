@@ -128,3 +128,26 @@ def test_cross_tokenizer_dpca_gap_falls(tmp_path: Path, tiny_model_dir: str, smo
         assert f["train/opd_dpca_chunk_count"] >= 1
         assert f["train/opd_divergence"] == 0.0
         assert f["train/reward_mean"] == 0.0
+
+
+def test_resume_keeps_the_teacher_and_refuses_a_changed_one(
+    tmp_path: Path, tiny_model_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = [
+        f"model.name_or_path={tiny_model_dir}",
+        f"rl.teacher.name_or_path={tiny_model_dir}",
+        f"job.output_root={tmp_path}",
+        "job.name=resume",
+        "rl.batch_per_replica=4",
+        "rl.group_size=2",
+        "rollout.max_tokens=4",
+        "rl.save_every=1",
+    ]
+    assert opd_main(["--config", "opd_direct", "--", *common, "rl.max_steps=1"]) == 0
+    capsys.readouterr()
+    changed = opd_main(["--config", "opd_direct", "--", *common, "rl.max_steps=2", "rl.resume=auto", "rl.jsd_beta=0.5"])
+    err = capsys.readouterr().err
+    assert changed == 1 and "teacher changed: jsd_beta 1.0 -> 0.5" in err
+    assert opd_main(["--config", "opd_direct", "--", *common, "rl.max_steps=2", "rl.resume=auto"]) == 0
+    runs = sorted(tmp_path.glob("posttrain/opd/resume/*/metrics.jsonl"))
+    assert [json.loads(line)["step"] for line in runs[-1].read_text().splitlines()] == [1, 2]

@@ -933,13 +933,21 @@ def check_resume_compatible(saved: TrainingState, current_identity: dict[str, An
     for key in sorted((set(old) | set(new)) - {"data_seed", "objective", "ref_anchor"}):
         if old.get(key) != new.get(key):
             label = "rl.n_mini" if key == "n_mini" else key
-            problems.append(f"{label} changed: {old.get(key)!r} -> {new.get(key)!r}")
+            problems.append(f"{label} changed: {_difference(old.get(key), new.get(key))}")
     if problems:
         raise CheckpointError(
             "cannot resume exactly from this checkpoint:\n"
             + "\n".join(f"  - {p}" for p in problems)
             + "\nrestore the original settings, or start fresh with rl.resume=off"
         )
+
+
+def _difference(old: Any, new: Any) -> str:
+    """``old -> new``; for two dicts only the entries that differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        return ", ".join(f"{k} {_short(old.get(k))} -> {_short(new.get(k))}" for k in keys)
+    return f"{old!r} -> {new!r}"
 
 
 def anchor_hash(model_dir: str | Path | None) -> str | None:
@@ -962,12 +970,17 @@ def resume_identity(cfg: GRPOConfig) -> dict[str, Any]:
     """The identity ``check_resume_compatible`` compares, built from a config."""
     from posttrain.policy.trainer import objective_spec
 
-    return {
+    identity: dict[str, Any] = {
         "data_seed": cfg.data_seed,
         "objective": dataclasses.asdict(objective_spec(cfg)),
         "ref_anchor": anchor_hash(cfg.rl.ref.model_dir),
         "n_mini": cfg.rl.n_mini,
     }
+    # A config type may pin more (OPD: the teacher and its signal knobs).
+    extra = getattr(cfg, "resume_identity_extra", None)
+    if callable(extra):
+        identity.update(extra())
+    return identity
 
 
 __all__ = [

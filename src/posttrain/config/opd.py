@@ -104,6 +104,49 @@ class OPDConfig(GRPOConfig):
     rl: OPDRLConfig = Field(default_factory=OPDRLConfig)
     """The loop, the teacher and the objective."""
 
+    def resume_identity_extra(self) -> dict[str, object]:
+        """What a resume must find unchanged beyond GRPO's identity: the teacher's signal and
+        objective knobs, and the teacher itself (see :func:`teacher_fingerprint`)."""
+        rl = self.rl
+        t = rl.teacher
+        knobs = {
+            "distillation_mode": rl.distillation_mode,
+            "jsd_beta": rl.jsd_beta,
+            "kl_penalty_coef": rl.kl_penalty_coef,
+            "n_ignore_prefix_tokens": rl.n_ignore_prefix_tokens,
+            "input_mode": t.input_mode,
+            "signal_mode": t.signal_mode,
+            "top_k": t.top_k,
+            "conditional_think_prefix": t.conditional_think_prefix,
+            "use_chat_template": t.use_chat_template,
+        }
+        return {"teacher": {**knobs, "model": teacher_fingerprint(t.name_or_path)}}
+
+
+# Files that define how a teacher tokenizes, renders and is configured; they are hashed whole.
+_IDENTITY_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
+
+
+def teacher_fingerprint(name_or_path: str | None) -> str | None:
+    """sha256 over the teacher directory's config, tokenizer and template files (whole) and the names
+    and sizes of its other files (weights are not read: a large teacher would take minutes). An
+    embedded model is named by its identifier, which pins the packaged file."""
+    import hashlib
+
+    if name_or_path is None or name_or_path.startswith("embedded:"):
+        return name_or_path
+    root = Path(name_or_path).expanduser()
+    if not root.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = file.relative_to(root).as_posix()
+        if file.suffix in _IDENTITY_SUFFIXES:
+            digest.update(f"{rel}\0{hashlib.sha256(file.read_bytes()).hexdigest()}\n".encode())
+        else:
+            digest.update(f"{rel}\0size={file.stat().st_size}\n".encode())
+    return digest.hexdigest()
+
 
 # ------------------------------------------------------------------------------------------------
 # Cross-field rules
