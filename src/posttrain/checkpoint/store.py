@@ -756,16 +756,22 @@ def resolve_resume(resume: str, job_dir: Path) -> Path | None:
 # -- load -----------------------------------------------------------------------------------------
 
 
-def _load_model_consolidated(path: Path, model: nn.Module) -> None:
+def _read_consolidated_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a consolidated checkpoint on the CPU, tied names restored from its aliases."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    file = path / MODEL_FILE
     with safe_open(str(file), framework="pt") as fh:
         aliases = json.loads((fh.metadata() or {}).get(_ALIASES_KEY, "{}"))
     tensors = load_file(str(file), device="cpu")
     for name, target in aliases.items():
         tensors[name] = tensors[target]
+    return tensors
+
+
+def _load_model_consolidated(path: Path, model: nn.Module) -> None:
+    file = path / MODEL_FILE
+    tensors = _read_consolidated_tensors(file)
     try:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as exc:
@@ -775,8 +781,6 @@ def _load_model_consolidated(path: Path, model: nn.Module) -> None:
 def _load_consolidated_by_name(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """A consolidated checkpoint into a sharded (or plain) model: every rank reads the full files and
     keeps its shards (``set_model_state_dict`` / ``set_optimizer_state_dict`` with full state dicts)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -784,11 +788,7 @@ def _load_consolidated_by_name(path: Path, model: nn.Module, optimizer: torch.op
     )
 
     file = path / MODEL_FILE
-    with safe_open(str(file), framework="pt") as fh:
-        aliases = json.loads((fh.metadata() or {}).get(_ALIASES_KEY, "{}"))
-    tensors = load_file(str(file), device="cpu")
-    for name, target in aliases.items():
-        tensors[name] = tensors[target]
+    tensors = _read_consolidated_tensors(file)
     options = StateDictOptions(full_state_dict=True)
     with _quiet_dcp():
         try:

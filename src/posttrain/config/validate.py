@@ -275,10 +275,11 @@ def _check_not_built(cfg: GRPOConfig, out: Findings) -> None:
                     f"grid.shapes.rollout={grid.shapes.rollout}: {replicas} rollout replicas for {ranks} policy ranks; "
                     "each policy rank samples on one replica, so ROLLOUT_REPLICAS must be <= POLICY_RANKS"
                 )
-            if cfg.rollout.backend != "hf":
+            if cfg.rl.max_off_policy_steps > 0:
                 out.errors.append(
-                    "grid.gpu_placement=disaggregated runs transformers rollout replicas only for now; "
-                    "set rollout.backend=hf (vLLM replicas are not implemented yet)"
+                    f"rl.max_off_policy_steps={cfg.rl.max_off_policy_steps} with grid.gpu_placement=disaggregated: "
+                    "sampling on a rollout replica while the policy trains is not implemented yet; use "
+                    "rl.max_off_policy_steps=0 (or a colocated vLLM engine)"
                 )
             return
     if replicas > 1 and replicas != ranks:

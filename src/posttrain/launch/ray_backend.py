@@ -6,11 +6,14 @@ environment (``MASTER_ADDR``/``MASTER_PORT`` of actor 0's node, ``RANK``, ``WORL
 the ordinary loop, exactly as a torchrun process would.
 
 * ``colocated``: each policy actor holds its own rollout engine, as under torchrun.
-* ``disaggregated``: ROLLOUT_REPLICAS rollout actors, in bundles of their own, hold the engines.
-  Policy rank ``r`` samples on replica ``r mod ROLLOUT_REPLICAS`` through ``RolloutProxy`` (the
-  ``RolloutEngine`` protocol; every call bounded by ``ray.get(..., timeout=...)``). A replica keeps
-  one sampling stream per policy rank (its own call counter), so sampling does not depend on which
-  rank's request arrives first, and a checkpoint restores each rank's stream. After each optimizer
+* ``disaggregated``: ROLLOUT_REPLICAS rollout actors, in bundles of their own, hold the engines
+  (``launch/replica.py``: transformers on the actor's own copy of the model, or, with
+  ``rollout.backend=vllm``, an in-process vLLM engine that loads the initial weights from the model
+  directory and takes every update through its ``load_weights``). Policy rank ``r`` samples on
+  replica ``r mod ROLLOUT_REPLICAS`` through ``RolloutProxy`` (the ``RolloutEngine`` protocol;
+  every call bounded by ``ray.get(..., timeout=...)``). A replica keeps one sampling stream per
+  policy rank (its own call counter), so sampling does not depend on which rank's request arrives
+  first, and a checkpoint restores each rank's stream. After each optimizer
   step every rank gathers the full weights (a collective); the lowest rank using a replica sends
   them, through the Ray object store (``rl.weight_sync_transport=object_store``) or by broadcasts in
   a process group of the two (``nccl``: NCCL between GPUs, gloo on CPU; ``launch/weight_sync.py``),
@@ -24,6 +27,7 @@ and the first one to fail (or die) makes it kill the others, which may be blocke
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -82,26 +86,17 @@ class PolicyRankActor:
 
 
 class RolloutActor:
-    """One rollout replica: a transformers engine on its own copy of the policy, one sampling stream
-    per policy rank, weights received from the policy ranks with a version stamp."""
+    """One rollout replica: the engine ``rollout.backend`` names (``launch/replica.py``: transformers
+    on its own copy of the policy, or an in-process vLLM engine), one sampling stream per policy
+    rank, weights received from the policy ranks with a version stamp."""
 
     def __init__(self, tree: dict[str, Any], config_class: str) -> None:
-        from posttrain.models.loading import load_model_and_tokenizer
+        from posttrain.launch.replica import build_replica
 
-        cfg = _config_of(config_class, tree)
-        self.model, self.tokenizer = load_model_and_tokenizer(cfg.model)
-        self.batch_size = cfg.rollout.batch_size
-        self.engines: dict[int, Any] = {}
+        self.replica = build_replica(_config_of(config_class, tree))
         self.weight_version = 0
         self.poisoned: str | None = None
         self.calls = 0
-
-    def _engine(self, cell: int) -> Any:
-        from posttrain.rollout.hf_engine import HFRolloutEngine
-
-        if cell not in self.engines:
-            self.engines[cell] = HFRolloutEngine(self.model, self.tokenizer, batch_size=self.batch_size)
-        return self.engines[cell]
 
     def generate(self, cell: int, prompt_token_ids: list[list[int]], n: int, params: Any) -> Any:
         if self.poisoned is not None:
@@ -109,14 +104,12 @@ class RolloutActor:
         self.calls += 1
         if os.environ.get(EXIT_AFTER_ENV) == str(self.calls):
             os._exit(1)  # the test's stand-in for a killed or crashed rollout process
-        engine = self._engine(cell)
-        engine.weight_version = self.weight_version
-        return engine.generate(prompt_token_ids, n, params)
+        return self.replica.generate(cell, prompt_token_ids, n, params, self.weight_version)
 
     def load_weights(self, named_tensors: dict[str, Any], version: int) -> int:
         """Copy the full weights in; the version is stamped only once every tensor was copied."""
         try:
-            self._engine(-1).load_weights(named_tensors, version=version)
+            self.replica.load_weights(named_tensors, version)
         except Exception as err:
             self.poisoned = f"the weight transfer of version {version} failed midway ({err}); its weights are mixed"
             raise
@@ -136,17 +129,22 @@ class RolloutActor:
         from posttrain.launch.weight_sync import receive
 
         try:
-            tensors = receive(self.group, meta, next(self.model.parameters()).device)
+            tensors = receive(self.group, meta, self.replica.device)
         except Exception as err:
             self.poisoned = f"the weight transfer of version {version} broke off ({err})"
             raise
         return self.load_weights(tensors, version)
 
     def state_dict(self, cell: int) -> dict[str, int]:
-        return dict(self._engine(cell).state_dict())
+        return self.replica.state_dict(cell)
 
     def load_state_dict(self, cell: int, state: dict[str, int]) -> None:
-        self._engine(cell).load_state_dict(state)
+        self.replica.load_state_dict(cell, state)
+
+    def close(self) -> bool:
+        """Release the engine (vLLM's engine core) before the driver kills this actor."""
+        self.replica.close()
+        return True
 
 
 class RolloutProxy:
@@ -247,7 +245,7 @@ def _connect(cfg: GRPOConfig, bundles: int) -> bool:
     """Join ``grid.ray_address``, or start a local cluster; True when this process started it."""
     import ray
 
-    keep = ("PYTHONPATH", "OMP_NUM_THREADS", EXIT_AFTER_ENV)
+    keep = ("PYTHONPATH", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", EXIT_AFTER_ENV)
     runtime_env = {"env_vars": {k: os.environ[k] for k in keep if k in os.environ}}
     if cfg.grid.ray_address is not None:
         ray.init(address=cfg.grid.ray_address, namespace=NAMESPACE, runtime_env=runtime_env)
@@ -293,6 +291,15 @@ def _job(cfg: GRPOConfig, argv: list[str], config_class: str, train: str) -> dic
     return {"config": cfg.model_dump(mode="json"), "config_class": config_class, "train": train, "argv": argv}
 
 
+def _close_replicas(rollouts: list[Any], timeout_s: float) -> None:
+    """Let every replica shut its engine down after a successful run (best effort: the actors are
+    killed right after, which frees everything anyway)."""
+    import ray
+
+    with contextlib.suppress(ray.exceptions.RayError):
+        ray.get([a.close.remote() for a in rollouts], timeout=min(timeout_s, 60.0))
+
+
 def train_with_ray(cfg: GRPOConfig, argv: list[str], config_class: str, train: str) -> Path:
     """Run the loop on Ray actors (see the module docstring); returns the run directory."""
     import ray
@@ -323,11 +330,13 @@ def train_with_ray(cfg: GRPOConfig, argv: list[str], config_class: str, train: s
                     job["config"], config_class
                 )
             )
-        ray.get([a.state_dict.remote(0) for a in actors], timeout=grid.collective_timeout_s)  # replicas are up
+        rollouts = list(actors)
+        ray.get([a.state_dict.remote(0) for a in rollouts], timeout=grid.collective_timeout_s)  # replicas are up
         policies = [place(PolicyRankActor, r).remote() for r in range(ranks)]
         actors += policies
         master = ray.get(policies[0].address.remote(), timeout=grid.collective_timeout_s)
         results = _wait_all([p.run.remote(r, ranks, master, job) for r, p in enumerate(policies)])
+        _close_replicas(rollouts, grid.collective_timeout_s)
         return Path(results[0])
     except ray.exceptions.GetTimeoutError as err:
         raise TrainingError(f"the Ray cluster did not start the run's actors in time: {err}") from None
