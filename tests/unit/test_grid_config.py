@@ -105,6 +105,18 @@ def _errors(overrides: list[str], monkeypatch: pytest.MonkeyPatch, world_size: s
         (["grid.backend=ray", "grid.gpu_placement=disaggregated"], None, "use object_store"),
         (["rl.weight_sync_transport=object_store"], None, "colocated engines receive the weights in their own process"),
         (["grid.shapes.policy=[1,2]", "rl.max_off_policy_steps=1"], None, "use rl.max_off_policy_steps=0 with several"),
+        (
+            [
+                "grid.backend=ray",
+                "grid.gpu_placement=disaggregated",
+                "rl.weight_sync_transport=object_store",
+                "rollout.backend=vllm",
+                "rl.use_rollout_logprobs_for_loss=true",
+                "rl.max_off_policy_steps=1",
+            ],
+            None,
+            "rl.max_off_policy_steps=1 with grid.gpu_placement=disaggregated",
+        ),
         (["grid.shapes.rollout=[2,1]"], None, LOCAL_ENGINES),
         (["grid.shapes.policy=[1,4]", "rl.batch_per_replica=64", "grid.shapes.rollout=[2,1]"], None, LOCAL_ENGINES),
     ],
@@ -132,6 +144,16 @@ def test_topology_problems_are_named(
             "rl.weight_sync_transport=object_store",
         ],
         ["grid.backend=ray", "grid.gpu_placement=disaggregated", "rl.weight_sync_transport=nccl"],
+        pytest.param(
+            [
+                "grid.backend=ray",
+                "grid.shapes.policy=[1,2]",
+                "grid.gpu_placement=disaggregated",
+                "rl.weight_sync_transport=object_store",
+                "rollout.backend=vllm",
+            ],
+            marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+        ),
     ],
 )
 def test_valid_multi_rank_layouts_are_accepted(monkeypatch: pytest.MonkeyPatch, overrides: list[str]) -> None:
