@@ -7,6 +7,7 @@ imported, torchrun's ``WORLD_SIZE`` read from the environment).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
