@@ -43,6 +43,7 @@ class VLLMTeacher:
 
         vllm = import_vllm()
         self.engine_threads = torch.get_num_threads()
+        self._owns_llm = llm is None
         if llm is None:
             if model_dir is None:
                 raise TeacherError("VLLMTeacher needs a model directory or an LLM")
@@ -88,3 +89,12 @@ class VLLMTeacher:
                     seq.topk_logprobs.append(lps)
             scores.append(seq)
         return scores
+
+    def close(self) -> None:
+        """Shut the teacher's engine core down (an engine passed in is left to its owner)."""
+        llm, self.llm = self.llm, None
+        if llm is None or not self._owns_llm:
+            return
+        shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
