@@ -92,7 +92,7 @@ def test_auto_prefix_sharing_follows_prompt_and_completion_lengths(tiny_model_di
     short_prompts = TrainBatch(
         [[1] * 2] * 4, [[5] * 8] * 4, torch.zeros(4), torch.ones(4, dtype=torch.bool), [[0.0] * 8] * 4, 2
     )
-    assert trainer._prefix_sharing(long_prompts) and not trainer._prefix_sharing(short_prompts)
+    assert trainer._decide_sharing(long_prompts) and not trainer._decide_sharing(short_prompts)
     assert isinstance(trainer._model_batch(short_prompts, [0, 1, 2, 3]), PolicyBatch)
 
 

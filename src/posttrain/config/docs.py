@@ -42,6 +42,12 @@ def _type(field: Any) -> str:
     return text.replace("<class '", "").replace("'>", "").replace("|", "\\|")
 
 
+def _row(key: str, field: Any) -> str:
+    """One key's table row: name, type, default and its docstring on one line."""
+    doc = " ".join((field.description or "").split()).replace("|", "\\|")
+    return f"| `{key}` | {_type(field)} | {_default(field)} | {doc} |"
+
+
 def _section(model: type[BaseModel], prefix: str, out: list[str]) -> None:
     rows = []
     subsections = []
@@ -50,8 +56,7 @@ def _section(model: type[BaseModel], prefix: str, out: list[str]) -> None:
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             subsections.append((f"{prefix}{name}", ann))
             continue
-        doc = " ".join((field.description or "").split()).replace("|", "\\|")
-        rows.append(f"| `{prefix}{name}` | {_type(field)} | {_default(field)} | {doc} |")
+        rows.append(_row(f"{prefix}{name}", field))
     if rows:
         title = prefix.rstrip(".") or "top level"
         out.append(f"\n## `{title}`\n")
@@ -80,9 +85,7 @@ def _opd_sections(out: list[str]) -> None:
     added = {k: f for k, f in OPDRLConfig.model_fields.items() if k not in RLConfig.model_fields and k != "teacher"}
     out.append("\n## `rl` (OPD additions)\n")
     out.append("| key | type | default | meaning |\n| --- | --- | --- | --- |")
-    for name, field in added.items():
-        doc = " ".join((field.description or "").split()).replace("|", "\\|")
-        out.append(f"| `rl.{name}` | {_type(field)} | {_default(field)} | {doc} |")
+    out.extend(_row(f"rl.{name}", field) for name, field in added.items())
     _section(TeacherConfig, "rl.teacher.", out)
 
 

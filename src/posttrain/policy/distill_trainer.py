@@ -23,7 +23,7 @@ from posttrain.errors import TrainingError
 from posttrain.policy.batching import PolicyBatch
 from posttrain.policy.logprobs import completion_logprobs
 from posttrain.policy.shared_prefix import GroupedBatch
-from posttrain.policy.trainer import PolicyTrainer, TrainBatch
+from posttrain.policy.trainer import PolicyTrainer, TrainBatch, _pad_rows
 
 # Teacher logprob written at padding positions: finite, so nothing non-finite exists even where masked.
 PAD_LOGPROB = -30.0
@@ -59,8 +59,9 @@ def teacher_topk_tensors(batch: TrainBatch, rows: list[int], width: int, device:
 class DistillationTrainer(PolicyTrainer):
     """``PolicyTrainer`` minimising the top-k + residual generalized JSD to the teacher."""
 
-    def _prefix_sharing(self, batch: TrainBatch) -> bool:
+    def _decide_sharing(self, batch: TrainBatch) -> bool:
         # The student's logprobs at the teacher's ids come from the plain (unshared) path.
+        self._share = False
         return False
 
     @torch.no_grad()
@@ -71,7 +72,7 @@ class DistillationTrainer(PolicyTrainer):
         self, batch: TrainBatch, rows: list[int], pb: PolicyBatch | GroupedBatch, old: list[torch.Tensor] | None
     ) -> LossInputs:
         if not isinstance(pb, PolicyBatch):
-            raise TypeError("direct distillation needs the plain PolicyBatch (see _prefix_sharing)")
+            raise TypeError("direct distillation needs the plain PolicyBatch (see _decide_sharing)")
         width = pb.completion_ids_BT.shape[1]
         teacher_ids_BTK, teacher_lp_BTK = teacher_topk_tensors(batch, rows, width, self.device)
         out = completion_logprobs(
@@ -91,17 +92,12 @@ class DistillationTrainer(PolicyTrainer):
             old_logprobs_BT=logprobs_BT.detach(),
             advantages_B=torch.zeros(len(rows), device=self.device),
             mask_BT=mask_BT,
-            sampler_logprobs_BT=self._sampler_rows(batch, rows, width),
+            sampler_logprobs_BT=_pad_rows(
+                [torch.tensor(batch.sampler_logprobs[i], dtype=torch.float32) for i in rows], width, self.device
+            ),
             teacher_topk_logprobs_BTK=teacher_lp_BTK,
             student_topk_logprobs_BTK=student_BTK,
         )
-
-    def _sampler_rows(self, batch: TrainBatch, rows: list[int], width: int) -> Tensor:
-        out = torch.zeros(len(rows), width, dtype=torch.float32)
-        for j, i in enumerate(rows):
-            lp = batch.sampler_logprobs[i][:width]
-            out[j, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
-        return out.to(self.device)
 
     def _loss(self, inputs: LossInputs, norm: LossNormalizer) -> tuple[Tensor, LossStats]:
         if not isinstance(inputs, DistillationInputs):

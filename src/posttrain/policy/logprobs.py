@@ -89,6 +89,14 @@ def _hidden_states(body: nn.Module, batch: PolicyBatch) -> Tensor:
     return hidden
 
 
+def completion_hidden_states(body: nn.Module, batch: PolicyBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """``(hidden_NH, b_N, t_N)``: the body's hidden state that predicts each completion token (the one
+    at the position before it), with the token's row and column, row-major over the batch."""
+    hidden_BLH = _hidden_states(body, batch)
+    b_N, t_N = (batch.completion_mask_BT > 0).nonzero(as_tuple=True)
+    return hidden_BLH[b_N, batch.completion_start_B[b_N] + t_N - 1], b_N, t_N
+
+
 def completion_logprobs(
     model: Any,
     batch: PolicyBatch,
@@ -110,10 +118,7 @@ def completion_logprobs(
     body, head = split_body_and_head(model)
     softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     rows, width = batch.completion_ids_BT.shape
-    hidden_BLH = _hidden_states(body, batch)
-
-    b_N, t_N = (batch.completion_mask_BT > 0).nonzero(as_tuple=True)
-    hidden_NH = hidden_BLH[b_N, batch.completion_start_B[b_N] + t_N - 1]
+    hidden_NH, b_N, t_N = completion_hidden_states(body, batch)
     ids_NJ = batch.completion_ids_BT[b_N, t_N].unsqueeze(-1)
     if head_ids_BTK is not None:
         ids_NJ = torch.cat([ids_NJ, head_ids_BTK[b_N, t_N].long()], dim=-1)

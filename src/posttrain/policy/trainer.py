@@ -147,7 +147,7 @@ class PolicyTrainer:
         self.optimizer_step = 0
         self.zero_grad_skips_total = 0
         self._param_names = {id(p): n for n, p in model.named_parameters()}
-        self._global_share: bool | None = None
+        self._share = False  # whether the current batch's prompts run once per group (_decide_sharing)
         if cfg.model.compile:
             compile_layers(model)
 
@@ -156,39 +156,34 @@ class PolicyTrainer:
         size = self.cfg.rl.mini_batch
         return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
 
-    def _prefix_sharing(self, batch: TrainBatch) -> bool:
-        """``model.share_prompt_prefix``, except under score centering: the policy's logprobs at the
+    def _decide_sharing(self, batch: TrainBatch) -> bool:
+        """Decide once per collected batch whether its prompts run once per group, and remember it.
+
+        ``model.share_prompt_prefix``, except under score centering: the policy's logprobs at the
         sampler's head come from the plain path only. ``auto``: share when the batch's mean prompt is
         at least as long as its mean completion (below that the shared path's cache handling costs
-        more than the repeated prompt tokens it saves)."""
+        more than the repeated prompt tokens it saves). With several policy ranks the lengths of ALL
+        cells decide, so every rank takes the same forward path (the shared-prefix path runs other
+        FSDP collectives; a rank-local decision could desynchronise them)."""
         share = self.cfg.model.share_prompt_prefix
         if self.spec.score_centering or share is False:
-            return False
-        if share == "auto":
-            if self._global_share is not None:  # several ranks: one decision from the whole step's lengths
-                return self._global_share
-            prompt = sum(len(p) for p in batch.prompt_ids)
-            completion = sum(len(c) for c in batch.completion_ids)
-            return prompt >= completion
-        return True
-
-    def _decide_share_globally(self, batch: TrainBatch) -> None:
-        """Several policy ranks: ``share_prompt_prefix=auto`` decided on the lengths of ALL cells, so
-        every rank takes the same forward path (the shared-prefix path runs other FSDP collectives;
-        a rank-local decision could desynchronise them)."""
-        self._global_share = None
-        if self.dp is None or self.cfg.model.share_prompt_prefix != "auto":
-            return
-        lengths = torch.tensor(
-            [sum(len(p) for p in batch.prompt_ids), sum(len(c) for c in batch.completion_ids)], dtype=torch.float64
-        )
-        totals = self.dp.sum(lengths)
-        self._global_share = bool(totals[0] >= totals[1])
+            self._share = False
+        elif share is True:
+            self._share = True
+        else:
+            lengths = torch.tensor(
+                [sum(len(p) for p in batch.prompt_ids), sum(len(c) for c in batch.completion_ids)],
+                dtype=torch.float64,
+            )
+            if self.dp is not None:
+                lengths = self.dp.sum(lengths)
+            self._share = bool(lengths[0] >= lengths[1])
+        return self._share
 
     def _shares_prefix(self, batch: TrainBatch, size: int, mini: list[int]) -> bool:
         """Whole groups per micro-batch, so each prompt can run once (``model.share_prompt_prefix``)."""
         g = batch.group_size
-        return self._prefix_sharing(batch) and g > 1 and size % g == 0 and mini[0] % g == 0 and len(mini) % g == 0
+        return self._share and g > 1 and size % g == 0 and mini[0] % g == 0 and len(mini) % g == 0
 
     def _micro_batches(self, batch: TrainBatch, mini: list[int]) -> list[list[int]]:
         """Micro-batches of a mini-batch: whole groups when the prompt pass is shared, else rows sorted
@@ -202,7 +197,7 @@ class PolicyTrainer:
     def _model_batch(self, batch: TrainBatch, rows: list[int]) -> PolicyBatch | GroupedBatch:
         g = batch.group_size
         whole_groups = g > 1 and len(rows) % g == 0 and rows == list(range(rows[0], rows[0] + len(rows)))
-        if self._prefix_sharing(batch) and whole_groups and rows[0] % g == 0:
+        if self._share and whole_groups and rows[0] % g == 0:
             return build_grouped_batch(
                 [batch.prompt_ids[i] for i in rows[::g]],
                 [batch.completion_ids[i] for i in rows],
@@ -275,7 +270,7 @@ class PolicyTrainer:
         """Score centering: the current logprobs, plus the sampler's head and the current policy's
         logprobs at the head ids (with gradient), from one forward on the plain path."""
         if not isinstance(pb, PolicyBatch):
-            raise TypeError("score centering needs the plain PolicyBatch (see _prefix_sharing)")
+            raise TypeError("score centering needs the plain PolicyBatch (see _decide_sharing)")
         ids_BTK, sampler_BTK = self._sampler_head(batch, rows, pb.completion_ids_BT.shape[1])
         out = completion_logprobs(
             self.model,
@@ -348,7 +343,7 @@ class PolicyTrainer:
         """All optimizer steps of one collected batch; returns the batch's training metrics."""
         if self.dp is not None:
             self.dp.check_cells(len(batch.completion_ids))  # unequal cells would desync the collectives
-        self._decide_share_globally(batch)
+        self._decide_sharing(batch)
         old = self._old_logprobs(batch)
         probe = old is not None and not self.cfg.rl.use_rollout_logprobs_for_loss
         self.model.train()

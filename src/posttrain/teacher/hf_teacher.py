@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.policy.batching import build_policy_batch
-from posttrain.policy.logprobs import split_body_and_head
+from posttrain.policy.logprobs import completion_hidden_states, split_body_and_head
 from posttrain.teacher.base import ScoreRequest, SequenceScores, check_requests
 
 
@@ -79,10 +79,7 @@ class HFTeacher:
             pad_id=self.pad_id,
             device=self.device,
         )
-        hidden = body(input_ids=batch.input_ids_BL, use_cache=False)
-        hidden_BLH: Tensor = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
-        b_N, t_N = (batch.completion_mask_BT > 0).nonzero(as_tuple=True)
-        hidden_NH = hidden_BLH[b_N, batch.completion_start_B[b_N] + t_N - 1]
+        hidden_NH, b_N, t_N = completion_hidden_states(body, batch)
         ids_N = batch.completion_ids_BT[b_N, t_N]
         lp_N, tid_NK, tlp_NK = head_scores(hidden_NH, ids_N, head, top_k=top_k, chunk_tokens=self.chunk_tokens)
         # One transfer per batch; rows are contiguous in b_N (nonzero is row-major).
