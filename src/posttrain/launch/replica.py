@@ -66,21 +66,14 @@ class VLLMReplica:
 
     def __init__(self, cfg: GRPOConfig) -> None:
         from posttrain.models.loading import load_tokenizer, resolve_device, resolve_dtype, resolve_model_path
-        from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+        from posttrain.rollout.vllm_engine import engine_from_config
 
-        ro = cfg.rollout
         path = resolve_model_path(cfg.model.name_or_path)
         dtype = resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))  # the policy's dtype
-        self.engine = VLLMRolloutEngine(
+        self.engine = engine_from_config(
+            cfg.rollout,
             path,
             load_tokenizer(path),
-            temperature=ro.temperature,
-            gpu_memory_utilization=ro.gpu_memory_utilization,
-            tensor_parallel_size=ro.tensor_parallel_size,
-            max_model_len=ro.max_model_len,
-            enforce_eager=ro.enforce_eager,
-            async_scheduling=ro.async_scheduling,
-            seed=ro.seed,
             dtype=str(dtype).removeprefix("torch."),
             enable_sleep_mode=False,  # the replica's GPU is its own: nothing to make room for
         )

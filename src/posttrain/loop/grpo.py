@@ -315,20 +315,12 @@ def build_engine(cfg: GRPOConfig, model: Any, tokenizer: Any, log: MetricsLogger
         return rollout_proxy(cfg, int(os.environ.get("RANK", "0")))
     if ro.backend != "vllm":
         return HFRolloutEngine(model, tokenizer, batch_size=ro.batch_size)
-    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+    from posttrain.rollout.vllm_engine import engine_from_config
 
-    engine = VLLMRolloutEngine(
+    engine = engine_from_config(
+        ro,
         resolve_model_path(cfg.model.name_or_path),
         tokenizer,
-        temperature=ro.temperature,
-        gpu_memory_utilization=ro.gpu_memory_utilization,
-        tensor_parallel_size=ro.tensor_parallel_size,
-        max_model_len=ro.max_model_len,
-        enforce_eager=ro.enforce_eager,
-        enable_sleep_mode=ro.enable_sleep_mode,
-        async_scheduling=ro.async_scheduling,
-        sleep_level=ro.sleep_level,
-        seed=ro.seed,
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         policy=model,
     )

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from posttrain.config.schema import RolloutConfig
 from posttrain.errors import PosttrainError, TrainingError
 from posttrain.models.chat import eos_token_ids
 from posttrain.rollout.base import (
@@ -435,3 +436,32 @@ def checkpoint_tensor_names(model_dir: str) -> set[str]:
         with safe_open(str(path), framework="pt") as f:
             names.update(f.keys())
     return names
+
+
+def engine_from_config(
+    ro: RolloutConfig,
+    model_dir: str,
+    tokenizer: Any,
+    *,
+    dtype: str,
+    policy: Any = None,
+    enable_sleep_mode: bool | None = None,
+) -> VLLMRolloutEngine:
+    """The engine the ``rollout`` section describes, on ``model_dir``'s weights in ``dtype``;
+    ``enable_sleep_mode`` overrides ``rollout.enable_sleep_mode`` (a replica with a GPU of its own
+    has nothing to make room for)."""
+    return VLLMRolloutEngine(
+        model_dir,
+        tokenizer,
+        temperature=ro.temperature,
+        gpu_memory_utilization=ro.gpu_memory_utilization,
+        tensor_parallel_size=ro.tensor_parallel_size,
+        max_model_len=ro.max_model_len,
+        enforce_eager=ro.enforce_eager,
+        enable_sleep_mode=ro.enable_sleep_mode if enable_sleep_mode is None else enable_sleep_mode,
+        async_scheduling=ro.async_scheduling,
+        sleep_level=ro.sleep_level,
+        seed=ro.seed,
+        dtype=dtype,
+        policy=policy,
+    )
