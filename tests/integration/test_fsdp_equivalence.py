@@ -140,6 +140,7 @@ def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
                 torch.save(result, f"{out}/{case.name}.pt")
             elif result["state"]:
                 raise AssertionError("full_state_dict(rank0_only=True) returned weights on rank 1")
+        dist.barrier()  # no rank leaves while its peer is still in the last collective
     finally:
         dist.destroy_process_group()
 

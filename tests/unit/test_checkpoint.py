@@ -483,6 +483,7 @@ def _fsdp_worker(rank: int, world: int, root: str, store: str) -> None:
             step(*resumed, seed=s)
         for a, b in zip(ref[0].parameters(), resumed[0].parameters()):
             assert torch.equal(a.full_tensor(), b.full_tensor())
+        dist.barrier()  # no rank leaves while its peer is still in the last collective
     finally:
         dist.destroy_process_group()
 

@@ -59,11 +59,18 @@ def init_policy_world(cfg: GRPOConfig) -> int:
     return world
 
 
-def close_policy_world() -> None:
-    """Leave the process group (end of a multi-rank run); nothing to do in one process."""
+def close_policy_world(*, finished: bool = False) -> None:
+    """Leave the process group (end of a multi-rank run); nothing to do in one process.
+
+    After a run that ``finished`` every rank first meets the others: a rank that tore its group down
+    while a peer was still in the last collective would abort that peer (gloo ends it with
+    "terminate called without an active exception"). After a failure there is no meeting: the
+    failed peer would never arrive."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

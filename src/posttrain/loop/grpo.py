@@ -491,6 +491,7 @@ def run_loop(run: Run, make_batch: MakeBatch, headline: str) -> Path:
         keep_optim_last=rl.keep_optim_last,
         async_save=rl.save_async,
     )
+    finished = False
     try:
         done = restore(run)
         for line in headline.splitlines():
@@ -514,8 +515,9 @@ def run_loop(run: Run, make_batch: MakeBatch, headline: str) -> Path:
                         f"{stop.signal_name}: stopped after step {step} with a checkpoint; resume with rl.resume=auto"
                     )
                     break
+        finished = True
     finally:
-        close_policy_world()
+        close_policy_world(finished=finished)
     if not isinstance(log, OffRankLogger):
         _finish(run.run_dir)
     return run.run_dir
