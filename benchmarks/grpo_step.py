@@ -131,7 +131,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 - one flat
         k = calls["n"]
         batch_texts = texts[(k - 1) * args.prompts : k * args.prompts]
         prompt_ids = [render_prompt_ids(tokenizer, t, use_chat_template=True) for t in batch_texts]
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=k)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=1.0,
+            seed=None if args.unseeded else k,
+            sampler_logprobs_every=args.sampler_logprobs_every,
+        )
         t0 = time.perf_counter()
         rollout = engine.generate(prompt_ids, args.samples, params)
         _sync()
@@ -255,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="model.compile: torch.compile the decoder layers")
     p.add_argument("--async-scheduling", action="store_true", help="vLLM async scheduling")
     p.add_argument("--off-policy", action="store_true", help="rl.max_off_policy_steps=1: sample k+1 while k trains")
+    p.add_argument("--unseeded", action="store_true", help="rollout.seed=null: no per-prompt vLLM seeds")
+    p.add_argument(
+        "--sampler-logprobs-every", type=int, default=1, help="rollout.sampler_logprobs_every (0: never record)"
+    )
     p.add_argument("--out", type=Path, help="write the per-step figures as JSON here")
     args = p.parse_args(argv)
     if args.off_policy and args.engine != "vllm":

@@ -140,6 +140,29 @@ def test_seeded_calls_replay_after_restoring_the_call_counter(fresh: VLLMRollout
     assert [c.token_ids for c in second.completions] != [c.token_ids for c in first.completions]
 
 
+def test_sampler_logprobs_are_recorded_on_every_nth_call_only(fresh: VLLMRolloutEngine, prompts) -> None:
+    """``sampler_logprobs_every=2``: calls 0 and 2 of the stream record them, call 1 does not; the
+    tokens drawn are the same as with recording on (the seed decides them, not the bookkeeping);
+    a top-k head request records them whatever the cadence. The cadence counts the stream's calls
+    (checkpointed), so it starts from the stream's start here."""
+    fresh.load_state_dict({"generate_calls": 0})
+    state = fresh.state_dict()
+    every = [
+        fresh.generate(prompts[:2], 2, SamplingParams(max_tokens=5, seed=4, sampler_logprobs_every=2)) for _ in range(3)
+    ]
+    assert [all(c.logprobs is not None for c in out.completions) for out in every] == [True, False, True]
+    assert all(c.logprobs is None for c in every[1].completions)
+    fresh.load_state_dict(state)
+    always = [fresh.generate(prompts[:2], 2, SamplingParams(max_tokens=5, seed=4)) for _ in range(3)]
+    assert [[c.token_ids for c in o.completions] for o in every] == [
+        [c.token_ids for c in o.completions] for o in always
+    ]
+    never = SamplingParams(max_tokens=5, seed=4, sampler_logprobs_every=0)
+    assert all(c.logprobs is None for c in fresh.generate(prompts[:2], 2, never).completions)
+    with_head = SamplingParams(max_tokens=5, seed=4, sampler_logprobs_every=0, logprobs_topk=3)
+    assert all(c.logprobs is not None for c in fresh.generate(prompts[:2], 2, with_head).completions)
+
+
 def test_load_weights_moves_engine_logprobs_to_the_trainers(
     fresh: VLLMRolloutEngine, vllm_model_dir: str, base_model, tokenizer, prompts
 ) -> None:

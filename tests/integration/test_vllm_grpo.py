@@ -47,6 +47,32 @@ def test_two_grpo_steps_with_the_vllm_engine(
     assert sum(not torch.equal(before[k], after[k].to(before[k].dtype)) for k in before) > len(before) // 2
 
 
+def test_sampler_logprobs_recorded_every_other_step(
+    tmp_path: Path,
+    smollm2_tokenizer_dir: str,
+    run_overrides: Callable[..., list[str]],
+    grpo_cli: Callable[..., subprocess.CompletedProcess[str]],
+) -> None:
+    """``rollout.sampler_logprobs_every=2``: steps 1 and 3 record the sampler's logprobs and report
+    the train/inference gap; step 2 records none, trains all the same and reports no gap."""
+    model_dir = make_tiny_model(str(tmp_path / "m"), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1)
+    overrides = run_overrides(
+        model_dir,
+        tmp_path / "out",
+        "lean",
+        "rollout.backend=vllm",
+        "rl.max_steps=3",
+        "rollout.sampler_logprobs_every=2",
+    )
+    res = grpo_cli(overrides)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = next((tmp_path / "out" / "posttrain" / "grpo").glob("*/*"))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [("train/logprob_gap_max" in r) for r in records] == [True, False, True]
+    assert records[2]["train/logprob_gap_max"] < 1e-3  # the engine still follows the trained weights
+    assert all(r["train/grad_norm"] > 0 for r in records)
+
+
 def test_one_step_off_policy_overlaps_sampling_with_training(
     tmp_path: Path,
     smollm2_tokenizer_dir: str,
@@ -103,6 +129,7 @@ def test_opd_with_a_vllm_teacher(tmp_path: Path, smollm2_tokenizer_dir: str, rol
         "rl.group_size=4",
         "rollout.max_tokens=6",
         "rl.reward=constant",
+        "rollout.sampler_logprobs_every=2",  # vLLM records them on step 1 only; hf always
     ]
     res = subprocess.run(
         [sys.executable, "-m", "posttrain.entrypoints.opd", "--config", "opd_direct", "--", *overrides],
@@ -121,3 +148,38 @@ def test_opd_with_a_vllm_teacher(tmp_path: Path, smollm2_tokenizer_dir: str, rol
     for r in records:
         assert r["train/opd_teacher_score_success_count"] == 1 and r["train/opd_divergence"] > 0
         assert r["train/opd_teacher_scored_sequences"] == 8 and 8 <= r["train/opd_teacher_scored_tokens"] <= 8 * 6
+    # no recorded sampler logprobs (vLLM, step 2): no train/inference gap is reported, not a made-up one
+    assert [("train/logprob_gap_max" in r) for r in records] == [True, rollout_backend == "hf"]
+
+
+def test_two_torchrun_ranks_each_with_a_colocated_vllm_engine(
+    tmp_path: Path, smollm2_tokenizer_dir: str, run_overrides: Callable[..., list[str]]
+) -> None:
+    """``torchrun --nproc-per-node 2`` with ``rollout.backend=vllm``: each rank builds its own
+    in-process engine inside the policy world and refreshes it from the FSDP2 shards. The run ends
+    without a traceback: the engines shut down before the ranks leave their process group (vLLM's
+    groups live in that world; torn down after it, they raised at interpreter exit)."""
+    import os
+    import sys
+
+    model_dir = make_tiny_model(str(tmp_path / "m"), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1)
+    overrides = run_overrides(
+        model_dir, tmp_path / "out", "tr", "rollout.backend=vllm", "rl.max_steps=2",
+        "grid.shapes.policy=[1,2]", "grid.collective_timeout_s=120",
+    )  # fmt: skip
+    e2e = str(Path(__file__).parent.parent / "fixtures" / "e2e")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([e2e, os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    res = subprocess.run(
+        [*command, "-m", "posttrain.entrypoints.grpo", "--", *overrides],
+        capture_output=True, text=True, timeout=400, env=env, check=False,
+    )  # fmt: skip
+    output = res.stdout + res.stderr
+    assert res.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    run_dir = next((tmp_path / "out" / "posttrain" / "grpo").glob("*/*"))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    # both ranks' engines took step 1's update: sampled logprobs match the trainer's at step 2
+    assert records[1]["train/logprob_gap_max"] < 1e-3

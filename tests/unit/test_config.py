@@ -134,6 +134,10 @@ def test_default_recipe_passes_preflight() -> None:
         (["rl.kl_beta=0.1"], "rl.ref.build_ref=true"),
         (["rl.use_rollout_logprobs_for_loss=true", "rollout.top_p=0.9"], "rollout.top_p=0.9 must be 1.0"),
         (
+            ["rl.use_rollout_logprobs_for_loss=true", "rollout.sampler_logprobs_every=0"],
+            "set rollout.sampler_logprobs_every=1",
+        ),
+        (
             ["rl.use_rollout_logprobs_for_loss=true", "rollout.temperature=0.7", "rl.temperature=0.7"],
             "must both be 1.0",
         ),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain.config.loading import build_config
-from posttrain.launch.spmd import Cells, merge_rank_metrics
+from posttrain.launch.spmd import Cells, merge_rank_metrics, pin_torchrun_gpu
 from posttrain.loop.grpo import cell_groups, sampling_params
 
 
@@ -39,3 +39,25 @@ def test_rank_metrics_merge_by_what_they_measure() -> None:
     assert merged["a/kl_max"] == 0.3 and merged["train/opd_teacher_score_success_count"] == 2.0
     assert merged["train/opd_divergence"] == pytest.approx(0.3)
     assert merge_rank_metrics([{"x_min": 1.0}, {"x_min": -1.0, "only_here": 4.0}]) == {"x_min": -1.0, "only_here": 4.0}
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        # torchrun, every GPU visible: rank 1 sees physical GPU 1 only
+        ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "1"),
+        # torchrun under a scheduler's device list: the LOCAL_RANK-th entry of that list
+        ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4, 6"}, "6"),
+        # already one device per rank (Ray actors, schedulers): unchanged
+        ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "3"}, None),
+        # one process under torchrun, or no torchrun at all: unchanged
+        ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, None),
+        ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, None),
+        # fewer visible devices than local ranks: left to torch's own error
+        ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "0,1"}, None),
+    ],
+)
+def test_pin_torchrun_gpu(env: dict[str, str], expected: str | None) -> None:
+    before = env.get("CUDA_VISIBLE_DEVICES")
+    assert pin_torchrun_gpu(env) == expected
+    assert env.get("CUDA_VISIBLE_DEVICES") == (expected if expected is not None else before)

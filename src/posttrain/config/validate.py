@@ -69,6 +69,13 @@ def check_rollout_logprob_modes(cfg: GRPOConfig, out: Findings) -> None:
         bad.append(f"rollout.repetition_penalty={ro.repetition_penalty} must be 1.0")
     for item in bad:
         out.errors.append(f"{mode} uses the sampler's raw logprobs, so sampling must be unwarped: {item}")
+    if rl.use_rollout_logprobs_for_loss and ro.sampler_logprobs_every != 1:
+        when = "never" if ro.sampler_logprobs_every == 0 else "on some steps only"
+        out.errors.append(
+            f"rl.use_rollout_logprobs_for_loss=true reads the sampler's logprobs at every step, but "
+            f"rollout.sampler_logprobs_every={ro.sampler_logprobs_every} records them {when}: "
+            "set rollout.sampler_logprobs_every=1"
+        )
 
 
 def check_objective(cfg: GRPOConfig, out: Findings) -> None:

@@ -135,6 +135,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "posttrain grpo", comman
 
             train_with_ray(cfg, full_argv, command.config_class, command.train)
         else:
+            from posttrain.launch.spmd import pin_torchrun_gpu
+
+            pin_torchrun_gpu()  # before the loop's import can start CUDA
             command.load("train")(cfg, argv=full_argv)
     except PosttrainError as exc:
         print(f"error{_rank_tag()}: {exc}", file=sys.stderr)

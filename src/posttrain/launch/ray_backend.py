@@ -97,6 +97,7 @@ class RolloutActor:
         self.weight_version = 0
         self.poisoned: str | None = None
         self.calls = 0
+        self.group: Any = None  # the weight-sync pair group (nccl transport), joined on first sync
 
     def generate(self, cell: int, prompt_token_ids: list[list[int]], n: int, params: Any) -> Any:
         if self.poisoned is not None:
@@ -142,7 +143,12 @@ class RolloutActor:
         self.replica.load_state_dict(cell, state)
 
     def close(self) -> bool:
-        """Release the engine (vLLM's engine core) before the driver kills this actor."""
+        """Release the engine (vLLM's engine core) and the weight-sync group before the driver kills
+        this actor."""
+        from posttrain.launch.weight_sync import close_group
+
+        close_group(self.group)
+        self.group = None
         self.replica.close()
         return True
 
@@ -220,7 +226,11 @@ class RolloutProxy:
         self._get(self.actor.load_state_dict.remote(self.cell, dict(state)), "load_state_dict")
 
     def close(self) -> None:
-        """The driver owns the replica's lifetime."""
+        """Release this side of the weight-sync group; the driver owns the replica's lifetime."""
+        from posttrain.launch.weight_sync import close_group
+
+        close_group(self.group)
+        self.group = None
 
 
 def rollout_proxy(cfg: GRPOConfig, rank: int) -> RolloutProxy:

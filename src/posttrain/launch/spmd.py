@@ -17,7 +17,7 @@ differences, all decided here or in ``loop/grpo.py``:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
 from posttrain.config.schema import GRPOConfig
@@ -39,6 +39,32 @@ class Cells:
 def env_world_size() -> int:
     """``WORLD_SIZE`` as torchrun (or a Ray policy actor) set it; 1 when unset."""
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def pin_torchrun_gpu(environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Under torchrun, let each rank see only its own GPU (``LOCAL_RANK``-th of the visible ones), as
+    ``cuda:0``; returns what ``CUDA_VISIBLE_DEVICES`` became, or None when nothing changed.
+
+    Why: vLLM's in-process engine always builds on ``cuda:0`` of its process (and makes that the
+    current device), so with every GPU visible each rank's colocated engine would land on GPU 0 and
+    move the rank's current device there. Must run before CUDA starts in this process (the
+    entrypoint calls it before the loop is imported). Outside torchrun (no ``TORCHELASTIC_RUN_ID``),
+    in one process, or when the rank already sees a single device, nothing changes."""
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" not in env or int(env.get("WORLD_SIZE", "1") or 1) <= 1:
+        return None
+    local = int(env.get("LOCAL_RANK", "0") or 0)
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if len(visible) == 1:
+        return None
+    if not visible:
+        choice = str(local)
+    elif local < len(visible):
+        choice = visible[local].strip()
+    else:
+        return None  # fewer visible devices than local ranks: leave torch's own error to speak
+    env["CUDA_VISIBLE_DEVICES"] = choice
+    return choice
 
 
 def init_policy_world(cfg: GRPOConfig) -> int:

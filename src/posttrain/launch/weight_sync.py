@@ -40,6 +40,14 @@ def pair_group(host: str, port: int, rank: int, *, timeout_s: float) -> Any:
     return dist.ProcessGroupGloo(store, rank, 2, timeout)
 
 
+def close_group(group: Any) -> None:
+    """Release a pair group's communicator (NCCL warns at exit about one never shut down); ``None``
+    is a no-op. Local: it does not wait for the peer."""
+    shutdown = getattr(group, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
 def describe(named_tensors: dict[str, torch.Tensor]) -> list[TensorMeta]:
     """What the replica must allocate to receive ``named_tensors``, in send order."""
     return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in named_tensors.items()]

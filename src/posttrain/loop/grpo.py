@@ -19,7 +19,7 @@ import copy
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -49,7 +49,7 @@ from posttrain.loop.dynamic_sampling import DrawFn, ScoredGroup, collect_dynamic
 from posttrain.loop.pipeline import batch_source
 from posttrain.loop.run_dir import create_run_dir, job_dir, write_resolved_config
 from posttrain.metrics.sinks import MetricsLogger, OffRankLogger
-from posttrain.metrics.timers import StepTimer
+from posttrain.metrics.timers import StepTimer, peak_memory_frame
 from posttrain.models.chat import render_prompt_ids
 from posttrain.models.loading import load_model_and_tokenizer, resolve_model_path
 from posttrain.policy.trainer import PolicyTrainer, TrainBatch, build_reference
@@ -98,6 +98,7 @@ def sampling_params(cfg: GRPOConfig, cell: int = 0) -> SamplingParams:
         top_k=ro.top_k,
         repetition_penalty=ro.repetition_penalty,
         seed=None if ro.seed is None else ro.seed + cell,
+        sampler_logprobs_every=ro.sampler_logprobs_every,
         logprobs_topk=sc.top_k if sc.enabled else 0,
     )
 
@@ -479,9 +480,14 @@ def train(cfg: GRPOConfig, argv: list[str] | None = None) -> Path:
     return run_loop(run, lambda timer: grpo_batch(cfg, run, timer), headline)
 
 
-def run_loop(run: Run, make_batch: MakeBatch, headline: str) -> Path:
+def run_loop(run: Run, make_batch: MakeBatch, headline: str, close_first: Sequence[Any] = ()) -> Path:
     """The online loop shared by GRPO and OPD: per collected batch, build the trainer's batch, update
-    the policy, publish the weights to the rollout engine, log one frame, checkpoint on cadence."""
+    the policy, publish the weights to the rollout engine, log one frame, checkpoint on cadence.
+
+    At the end, finished or not, the engines are shut down (``close_first``, e.g. OPD's teacher, then
+    the rollout engine) BEFORE the policy ranks leave their process group: an in-process vLLM engine
+    built under torchrun made its groups inside that world, and tearing them down after the world is
+    gone raises at interpreter exit."""
     cfg, log, trainer = run.cfg, run.log, run.trainer
     rl = cfg.rl
     writer = CheckpointWriter(
@@ -506,7 +512,7 @@ def run_loop(run: Run, make_batch: MakeBatch, headline: str) -> Path:
                 source.settle()  # off-policy: the rollout in flight ends before the weights change
                 with timer.phase("weight_sync"):
                     publish_weights(run, trainer.optimizer_step)
-                log.log(step, {**batch_metrics, **train_metrics, **timer.frame()})
+                log.log(step, {**batch_metrics, **train_metrics, **timer.frame(), **peak_memory_frame()})
                 stopping = _stop_requested(stop, run.cells)
                 if stopping or (rl.save_every and (step % rl.save_every == 0 or step == rl.max_steps)):
                     save(run, writer, step)
@@ -517,10 +523,28 @@ def run_loop(run: Run, make_batch: MakeBatch, headline: str) -> Path:
                     break
         finished = True
     finally:
-        close_policy_world(finished=finished)
+        try:
+            close_engines(*close_first, run.roles.engine)
+        finally:
+            close_policy_world(finished=finished)
     if not isinstance(log, OffRankLogger):
         _finish(run.run_dir)
     return run.run_dir
+
+
+def close_engines(*engines: Any) -> None:
+    """Shut engines down in order. Two in-process vLLM engines share vLLM's global parallel state: the
+    first shutdown tears it down and the second one's teardown of the same groups raises; left to
+    interpreter exit, both would print tracebacks after a finished run."""
+    for engine in engines:
+        close = getattr(engine, "close", None)
+        if close is None:
+            continue
+        try:
+            close()
+        except ValueError as exc:  # "Invalid process group specified": already torn down
+            if "process group" not in str(exc):
+                raise
 
 
 def _stop_requested(stop: GracefulStop, cells: Cells) -> bool:

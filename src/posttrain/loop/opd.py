@@ -136,25 +136,8 @@ def train(cfg: OPDConfig, argv: list[str] | None = None) -> Path:
         f"{rl.groups_per_step} prompts x {rl.group_size} samples, teacher={t.name_or_path}, reward={rl.reward}, "
         f"lr={rl.optimizer.lr:g}"
     )
-    try:
-        return run_loop(run, lambda timer: opd_batch(cfg, run, signals, timer), headline)
-    finally:
-        close_engines(teacher, run.roles.engine)
-
-
-def close_engines(*engines: Any) -> None:
-    """Shut engines down in order, teacher first. Two in-process vLLM engines share vLLM's global
-    parallel state: the first shutdown tears it down and the second one's teardown of the same groups
-    raises; left to interpreter exit, both would print tracebacks after a finished run."""
-    for engine in engines:
-        close = getattr(engine, "close", None)
-        if close is None:
-            continue
-        try:
-            close()
-        except ValueError as exc:  # "Invalid process group specified": already torn down
-            if "process group" not in str(exc):
-                raise
+    # The teacher closes first: see close_engines.
+    return run_loop(run, lambda timer: opd_batch(cfg, run, signals, timer), headline, close_first=[teacher])
 
 
 def _output_rows(model: Any) -> int:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["StepTimer"]
+__all__ = ["StepTimer", "peak_memory_frame"]
 
 
 def _cuda_synchronize() -> None:
@@ -70,3 +70,16 @@ class StepTimer:
         """Drop the phases timed so far and restart the end-to-end clock (e.g. after a resume)."""
         self._totals = {}
         self._frame_start = time.perf_counter()
+
+
+def peak_memory_frame() -> dict[str, float]:
+    """``memory/policy_peak_gib``: the most GPU memory torch's allocator held in this process since
+    the last frame (GiB), then the peak is reset; empty without CUDA. A host-side counter: no sync.
+    An in-process vLLM engine's weights and KV cache go through torch's allocator too and count."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return {"memory/policy_peak_gib": peak}

@@ -23,7 +23,7 @@ from posttrain.errors import TrainingError
 from posttrain.policy.batching import PolicyBatch
 from posttrain.policy.logprobs import completion_logprobs
 from posttrain.policy.shared_prefix import GroupedBatch
-from posttrain.policy.trainer import PolicyTrainer, TrainBatch, _pad_rows
+from posttrain.policy.trainer import PolicyTrainer, TrainBatch, sampler_logprobs_rows
 
 # Teacher logprob written at padding positions: finite, so nothing non-finite exists even where masked.
 PAD_LOGPROB = -30.0
@@ -92,9 +92,7 @@ class DistillationTrainer(PolicyTrainer):
             old_logprobs_BT=logprobs_BT.detach(),
             advantages_B=torch.zeros(len(rows), device=self.device),
             mask_BT=mask_BT,
-            sampler_logprobs_BT=_pad_rows(
-                [torch.tensor(batch.sampler_logprobs[i], dtype=torch.float32) for i in rows], width, self.device
-            ),
+            sampler_logprobs_BT=sampler_logprobs_rows(batch, rows, width, self.device),
             teacher_topk_logprobs_BTK=teacher_lp_BTK,
             student_topk_logprobs_BTK=student_BTK,
         )
@@ -112,18 +110,21 @@ class DistillationTrainer(PolicyTrainer):
         loss = reduce_loss(div_BT, mask_BT.float(), self.spec.loss_type, norm, max_tokens=self.spec.max_tokens)
         dtype = div_BT.dtype
         div_masked_BT = torch.where(mask_BT, div_BT.detach(), torch.zeros_like(div_BT))
-        sampler_BT = inputs.sampler_logprobs_BT
-        sampler_BT = torch.zeros_like(div_BT) if sampler_BT is None else sampler_BT
-        gap_BT = (inputs.logprobs_BT.detach() - sampler_BT).abs()
-        gap_BT = torch.where(mask_BT, gap_BT, torch.zeros_like(gap_BT))
+        gap: dict[str, torch.Tensor] = {}
+        if inputs.sampler_logprobs_BT is not None:  # unrecorded on this step: no gap to report
+            gap_BT = (inputs.logprobs_BT.detach() - inputs.sampler_logprobs_BT).abs()
+            gap_BT = torch.where(mask_BT, gap_BT, torch.zeros_like(gap_BT))
+            gap = {
+                "logprob_gap_abs_sum": gap_BT.sum(),
+                "logprob_gap_max": gap_BT.amax() if gap_BT.numel() else gap_BT.new_zeros(()),
+                "gap_tokens": mask_BT.to(dtype).sum(),
+            }
         stats = LossStats(
             loss_sum=loss.detach(),
             loss_tokens=mask_BT.to(dtype).sum(),
             clipped_tokens=torch.zeros((), dtype=dtype, device=div_BT.device),
             seqs=mask_BT.any(dim=1).to(dtype).sum(),
-            logprob_gap_abs_sum=gap_BT.sum(),
-            logprob_gap_max=gap_BT.amax() if gap_BT.numel() else gap_BT.new_zeros(()),
-            gap_tokens=mask_BT.to(dtype).sum(),
             opd_divergence_sum=div_masked_BT.sum(),
+            **gap,
         )
         return loss, stats

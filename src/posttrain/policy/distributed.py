@@ -59,14 +59,15 @@ def init_process_group(
     """Join the default process group: NCCL on CUDA, gloo on the CPU, with a timeout on every collective.
 
     Without ``init_method`` / ``rank`` / ``world_size`` it reads torchrun's environment (``RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). On CUDA each process uses the GPU ``LOCAL_RANK``.
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). On CUDA each process uses the GPU ``LOCAL_RANK``
+    of those it sees (``cuda:0`` when it sees one: ``pin_torchrun_gpu`` and Ray's actors do that).
     A second call is a no-op.
     """
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
     if init_method is not None:
         kwargs["init_method"] = init_method

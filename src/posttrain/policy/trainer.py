@@ -43,7 +43,7 @@ class TrainBatch:
     completion_ids: list[list[int]]
     advantages_B: torch.Tensor
     in_loss_B: torch.Tensor
-    sampler_logprobs: list[list[float]]
+    sampler_logprobs: list[list[float] | None]
     group_size: int = 1
     head_ids: list[list[list[int]]] | None = None
     head_logprobs: list[list[list[float]]] | None = None
@@ -112,6 +112,15 @@ def compile_layers(model: nn.Module) -> None:
         raise PosttrainError(f"model.compile=true: {type(body).__name__} has no .layers to compile")
     for layer in layers:
         layer.compile(dynamic=True)
+
+
+def sampler_logprobs_rows(batch: TrainBatch, rows: list[int], width: int, device: torch.device) -> torch.Tensor | None:
+    """The sampler's logprobs of ``rows`` padded to ``width`` (fp32), or None when the rollout did not
+    record them for some row (``rollout.sampler_logprobs_every``): then nothing compares against them."""
+    chosen = [batch.sampler_logprobs[i] for i in rows]
+    if any(lp is None for lp in chosen):
+        return None
+    return _pad_rows([torch.tensor(lp, dtype=torch.float32) for lp in chosen if lp is not None], width, device)
 
 
 def _pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
@@ -226,6 +235,8 @@ class PolicyTrainer:
         (n_mini == 1: pi_old is the current policy itself, so the ratio is exactly one)."""
         rl = self.cfg.rl
         if rl.use_rollout_logprobs_for_loss:
+            if any(lp is None for lp in batch.sampler_logprobs):  # the config check makes this unreachable
+                raise TrainingError("rl.use_rollout_logprobs_for_loss: the rollout recorded no sampler logprobs")
             return [torch.tensor(lp, dtype=torch.float32, device=self.device) for lp in batch.sampler_logprobs]
         if rl.n_mini == 1 or rl.grpo_surrogate == "legacy_pg":
             return None
@@ -304,9 +315,7 @@ class PolicyTrainer:
         if self.ref_model is not None and self.spec.kl_beta > 0:
             with torch.no_grad():
                 ref_BT = self._logprobs(self.ref_model, pb)
-        sampler_BT = _pad_rows(
-            [torch.tensor(batch.sampler_logprobs[i], dtype=torch.float32) for i in rows], width, self.device
-        )
+        sampler_BT = sampler_logprobs_rows(batch, rows, width, self.device)
         token_adv_BT = None
         if batch.token_advantages is not None:
             token_adv_BT = _pad_rows(

@@ -18,6 +18,9 @@ class SamplingParams:
     top_k: int = -1
     repetition_penalty: float = 1.0
     seed: int | None = None
+    sampler_logprobs_every: int = 1
+    """Engines whose logprobs cost extra (vLLM) record ``Completion.logprobs`` only on every N-th
+    call of their stream (call 0 included); 0: never. ``logprobs_topk > 0`` records them always."""
     logprobs_topk: int = 0
     """When > 0 the engine also returns, per generated token, the top-k ids and logprobs of the
     distribution it sampled from (``Completion.extra["head_ids"]`` / ``["head_logprobs"]``: one list of
@@ -31,13 +34,14 @@ class Completion:
     ``token_ids`` are the generated ids (ending with EOS when ``finish_reason == "stop"``);
     ``logprobs`` holds the sampler's log-probability of each generated token under the
     distribution it sampled from (raw model logits divided by temperature, before top-p/top-k),
-    one float per token. ``extra`` holds optional per-token additions, such as the top-k head
+    one float per token, or None when this call did not record them
+    (``SamplingParams.sampler_logprobs_every``). ``extra`` holds optional per-token additions, such as the top-k head
     requested with ``SamplingParams.logprobs_topk``.
     """
 
     prompt_index: int
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float] | None
     finish_reason: FinishReason
     text: str = ""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -115,6 +115,14 @@ def _head(entry: Mapping[int, Any], k: int) -> tuple[list[int], list[float]]:
     return [int(i) for i, _ in ranked], [float(lp.logprob) for _, lp in ranked]
 
 
+def records_logprobs(params: SamplingParams, call_index: int) -> bool:
+    """Whether call ``call_index`` (0-based, of this sampling stream) records the sampler's logprobs:
+    always when a top-k head is asked for, else on every ``sampler_logprobs_every``-th call from the
+    first; never when it is 0."""
+    every = params.sampler_logprobs_every
+    return params.logprobs_topk > 0 or (every > 0 and call_index % every == 0)
+
+
 def build_llm(vllm: Any, **engine_args: Any) -> tuple[Any, int]:
     """``vllm.LLM(**engine_args)`` and the torch thread count vLLM chose, keeping this process's own.
 
@@ -352,7 +360,8 @@ class VLLMRolloutEngine:
         # vLLM refuses n > 1 for greedy requests: send the n identical copies as n requests.
         copies = n if params.temperature <= 0 else 1
         owners = [p for p in range(len(prompt_token_ids)) for _ in range(copies)]
-        requests = [self._request(params, n // copies, call_index, p) for p in owners]
+        record = records_logprobs(params, call_index)
+        requests = [self._request(params, n // copies, call_index, p, record) for p in owners]
         prompts = [TokensPrompt(prompt_token_ids=list(prompt_token_ids[p])) for p in owners]
         start = time.perf_counter()
         with self._engine_thread_count():
@@ -361,7 +370,7 @@ class VLLMRolloutEngine:
         completions = []
         for prompt_index, request_output in zip(owners, outputs):
             for sample in sorted(request_output.outputs, key=lambda o: o.index):
-                completions.append(self._completion(prompt_index, sample, params.logprobs_topk))
+                completions.append(self._completion(prompt_index, sample, params.logprobs_topk, record))
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         for completion, text in zip(completions, texts):
             completion.text = text
@@ -372,9 +381,10 @@ class VLLMRolloutEngine:
             stats["rollout/sleep_s"] = self.last_sleep_s
         return RolloutBatch([list(p) for p in prompt_token_ids], completions, self.weight_version, stats)
 
-    def _request(self, params: SamplingParams, n: int, call_index: int, prompt_index: int) -> Any:
+    def _request(self, params: SamplingParams, n: int, call_index: int, prompt_index: int, record: bool) -> Any:
         """vLLM sampling params for one prompt: its own seed, our EOS ids, no detokenization (the
-        tokenizer decodes the whole batch at once afterwards), the sampled token's logprob (+ top-k)."""
+        tokenizer decodes the whole batch at once afterwards), the sampled token's logprob (+ top-k)
+        only when ``record``: vLLM builds a logprob entry per token on the host otherwise."""
         from vllm import SamplingParams as VLLMSamplingParams
 
         return VLLMSamplingParams(
@@ -386,21 +396,23 @@ class VLLMRolloutEngine:
             repetition_penalty=params.repetition_penalty,
             seed=None if params.seed is None else prompt_seed(params.seed, call_index, prompt_index),
             stop_token_ids=self.eos_ids,
-            logprobs=max(params.logprobs_topk, 0),
+            logprobs=max(params.logprobs_topk, 0) if record else None,
             detokenize=False,
         )
 
-    def _completion(self, prompt_index: int, sample: Any, k: int) -> Completion:
+    def _completion(self, prompt_index: int, sample: Any, k: int, record: bool) -> Completion:
         token_ids = [int(t) for t in sample.token_ids]
         if sample.finish_reason not in ("stop", "length"):
             raise TrainingError(
                 f"vLLM finished a completion with reason {sample.finish_reason!r} ({sample.stop_reason})"
             )
+        reason: FinishReason = "stop" if sample.finish_reason == "stop" else "length"
+        if not record:
+            return Completion(prompt_index, token_ids, None, reason, "", {})
         if sample.logprobs is None or len(sample.logprobs) != len(token_ids):
             raise TrainingError(
                 "vLLM returned no logprob for some generated token; the engine needs logprobs=0 or more"
             )
-        reason: FinishReason = "stop" if sample.finish_reason == "stop" else "length"
         logprobs = [float(entry[t].logprob) for t, entry in zip(token_ids, sample.logprobs)]
         extra: dict[str, Any] = {}
         if k > 0:

@@ -1,0 +1,49 @@
+"""A random-weight bf16 Llama of a named shape on the SmolLM2 tokenizer, saved as a Hugging Face
+directory (for the GPU benchmarks; nothing is downloaded).
+
+    python benchmarks/make_random_model.py TOKENIZER_DIR OUT_DIR --shape 1.5b
+
+Shapes: ``135m`` (SmolLM2-135M itself), ``0.5b`` (Qwen2.5-0.5B's body: issue 9's 402M workload
+model, the same as ``../shared/peers/make_random_models.py`` builds) and ``1.5b`` (Qwen2.5-1.5B's
+body: hidden 1,536, intermediate 8,960, 28 layers, 12 query and 2 key/value heads of 128; 1.39B
+parameters with the 49,152-token vocabulary and tied embeddings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+SHAPES = {
+    "135m": {},
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, head_dim=64),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, head_dim=128),
+}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("tokenizer_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
+    a = p.parse_args()
+    start = time.time()
+    cfg = LlamaConfig.from_pretrained(a.tokenizer_dir)
+    for key, value in SHAPES[a.shape].items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(a.out_dir)
+    AutoTokenizer.from_pretrained(a.tokenizer_dir).save_pretrained(a.out_dir)
+    n = sum(t.numel() for t in model.parameters())
+    print(f"MODEL {a.shape} params={n / 1e6:.1f}M saved {a.out_dir} in {time.time() - start:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
