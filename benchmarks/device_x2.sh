@@ -11,6 +11,8 @@
 #   jobs     (background) issue 8's runs, then issue 9's; GPU memory sampled by nvidia-smi all along
 #   jobs2    (background) issue 9 again after the first lease: ours and TRL in the same call on GPU 0;
 #            where vLLM's generation time goes (benchmarks/vllm_gen_variants.py) on GPU 1
+#   jobs3    (background) the lean vLLM requests (no per-prompt seeds, no sampler logprobs) as full
+#            steps, on-policy and one-step off-policy, then TRL, all on GPU 0
 set -uo pipefail
 R=/tmp/res
 D=/tmp/devsrc
@@ -136,5 +138,17 @@ case ${1:-} in
     cat "$R/gpu0.out" "$R/gpu1.out"; grep -h RESULT "$R"/i9_gen_*.log
     date -u +"jobs2 end %T"
     touch /tmp/jobs.done ;;
-  *) sed -n 2,12p "$0"; exit 2 ;;
+  jobs3)
+    # next: the lean requests as full steps, on GPU 0 only (works on a one-GPU machine too)
+    export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
+    export CUDA_VISIBLE_DEVICES=0
+    date -u +"jobs3 start %T"
+    python3 "$D/peers/make_random_models.py" "$D/peers/tok" >"$R/models.log" 2>&1
+    step i9_lean_both 300 --model /tmp/m05 --steps 6 --unseeded --sampler-logprobs-every 0
+    step i9_lean_nolp 300 --model /tmp/m05 --steps 6 --sampler-logprobs-every 0
+    step i9_lean_offpolicy 300 --model /tmp/m05 --steps 6 --unseeded --off-policy
+    bench i9_trl_vllm_4 300 python3 "$D/peers/trl_grpo_gpu_step.py" /tmp/m05 vllm
+    date -u +"jobs3 end %T"
+    touch /tmp/jobs.done ;;
+  *) sed -n 2,14p "$0"; exit 2 ;;
 esac

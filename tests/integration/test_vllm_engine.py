@@ -140,16 +140,16 @@ def test_seeded_calls_replay_after_restoring_the_call_counter(fresh: VLLMRollout
     assert [c.token_ids for c in second.completions] != [c.token_ids for c in first.completions]
 
 
-def test_sampler_logprobs_are_recorded_on_every_nth_call_only(fresh: VLLMRolloutEngine, prompts) -> None:
-    """``sampler_logprobs_every=2``: calls 0 and 2 of the stream record them, call 1 does not; the
-    tokens drawn are the same as with recording on (the seed decides them, not the bookkeeping);
-    a top-k head request records them whatever the cadence. The cadence counts the stream's calls
-    (checkpointed), so it starts from the stream's start here."""
-    fresh.load_state_dict({"generate_calls": 0})
+def test_sampler_logprobs_are_recorded_for_every_nth_weight_version(fresh: VLLMRolloutEngine, prompts) -> None:
+    """``sampler_logprobs_every=2``: sampling with the weights of versions 0 and 2 records them,
+    version 1 does not; the tokens drawn are the same as with recording on (the seed decides them,
+    not the bookkeeping); a top-k head request records them whatever the cadence."""
     state = fresh.state_dict()
-    every = [
-        fresh.generate(prompts[:2], 2, SamplingParams(max_tokens=5, seed=4, sampler_logprobs_every=2)) for _ in range(3)
-    ]
+    lean = SamplingParams(max_tokens=5, seed=4, sampler_logprobs_every=2)
+    every = []
+    for version in (0, 1, 2):
+        fresh.weight_version = version  # what load_weights stamps after optimizer step `version`
+        every.append(fresh.generate(prompts[:2], 2, lean))
     assert [all(c.logprobs is not None for c in out.completions) for out in every] == [True, False, True]
     assert all(c.logprobs is None for c in every[1].completions)
     fresh.load_state_dict(state)

@@ -22,22 +22,35 @@ from posttrain.models.tiny import make_tiny_model
 pytestmark = pytest.mark.vllm
 
 
+def _vllm_grpo_run(
+    tmp_path: Path,
+    tokenizer_dir: str,
+    run_overrides: Callable[..., list[str]],
+    grpo_cli: Callable[..., subprocess.CompletedProcess[str]],
+    name: str,
+    *extra: str,
+) -> tuple[str, Path, list[dict[str, float]], subprocess.CompletedProcess[str]]:
+    """A tiny-model GRPO run with ``rollout.backend=vllm`` that must succeed: the model directory,
+    the run directory, its metrics records and the finished process."""
+    # vLLM's CPU attention refuses a head size of 16, so this tiny model has two 32-wide heads
+    model_dir = make_tiny_model(str(tmp_path / "m"), tokenizer_dir, num_heads=2, num_kv_heads=1)
+    res = grpo_cli(run_overrides(model_dir, tmp_path / "out", name, "rollout.backend=vllm", *extra))
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = next((tmp_path / "out" / "posttrain" / "grpo").glob("*/*"))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return model_dir, run_dir, records, res
+
+
 def test_two_grpo_steps_with_the_vllm_engine(
     tmp_path: Path,
     smollm2_tokenizer_dir: str,
     run_overrides: Callable[..., list[str]],
     grpo_cli: Callable[..., subprocess.CompletedProcess[str]],
 ) -> None:
-    # vLLM's CPU attention refuses a head size of 16, so this tiny model has two 32-wide heads
-    model_dir = make_tiny_model(str(tmp_path / "m"), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1)
-    overrides = run_overrides(
-        model_dir, tmp_path / "out", "vllm", "rollout.backend=vllm", "rl.max_steps=2", "rl.save_every=2"
+    model_dir, run_dir, records, res = _vllm_grpo_run(
+        tmp_path, smollm2_tokenizer_dir, run_overrides, grpo_cli, "vllm", "rl.max_steps=2", "rl.save_every=2"
     )
-    res = grpo_cli(overrides)
-    assert res.returncode == 0, res.stderr[-3000:]
     assert "vLLM engine started" in res.stdout
-    run_dir = next((tmp_path / "out" / "posttrain" / "grpo").glob("*/*"))
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     # step 2 sampled with the weights of step 1's update: the engine's logprobs track the trainer's
     assert records[1]["train/logprob_gap_max"] < 1e-3
@@ -55,19 +68,10 @@ def test_sampler_logprobs_recorded_every_other_step(
 ) -> None:
     """``rollout.sampler_logprobs_every=2``: steps 1 and 3 record the sampler's logprobs and report
     the train/inference gap; step 2 records none, trains all the same and reports no gap."""
-    model_dir = make_tiny_model(str(tmp_path / "m"), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1)
-    overrides = run_overrides(
-        model_dir,
-        tmp_path / "out",
-        "lean",
-        "rollout.backend=vllm",
-        "rl.max_steps=3",
+    _, _, records, _ = _vllm_grpo_run(
+        tmp_path, smollm2_tokenizer_dir, run_overrides, grpo_cli, "lean", "rl.max_steps=3",
         "rollout.sampler_logprobs_every=2",
-    )
-    res = grpo_cli(overrides)
-    assert res.returncode == 0, res.stderr[-3000:]
-    run_dir = next((tmp_path / "out" / "posttrain" / "grpo").glob("*/*"))
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    )  # fmt: skip
     assert [("train/logprob_gap_max" in r) for r in records] == [True, False, True]
     assert records[2]["train/logprob_gap_max"] < 1e-3  # the engine still follows the trained weights
     assert all(r["train/grad_norm"] > 0 for r in records)
@@ -82,21 +86,10 @@ def test_one_step_off_policy_overlaps_sampling_with_training(
     """``rl.max_off_policy_steps=1``: batch k+1 is sampled while batch k trains, so it was sampled
     one update ago: the engine's logprobs then differ from the trainer's (the ratio against the
     sampler's logprobs corrects it), unlike the on-policy run above where they agree."""
-    model_dir = make_tiny_model(str(tmp_path / "m"), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1)
-    overrides = run_overrides(
-        model_dir,
-        tmp_path / "out",
-        "offpolicy",
-        "rollout.backend=vllm",
-        "rl.max_steps=3",
-        "rl.max_off_policy_steps=1",
-        "rl.use_rollout_logprobs_for_loss=true",
-        "rl.optimizer.lr=1e-2",
-    )
-    res = grpo_cli(overrides)
-    assert res.returncode == 0, res.stderr[-3000:]
-    run_dir = next((tmp_path / "out" / "posttrain" / "grpo").glob("*/*"))
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    _, _, records, _ = _vllm_grpo_run(
+        tmp_path, smollm2_tokenizer_dir, run_overrides, grpo_cli, "offpolicy", "rl.max_steps=3",
+        "rl.max_off_policy_steps=1", "rl.use_rollout_logprobs_for_loss=true", "rl.optimizer.lr=1e-2",
+    )  # fmt: skip
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["train/off_policy_steps"] == 1.0 and r["timer/rollout_overlapped_s"] > 0 for r in records)
     # steps 2 and 3 trained on batches sampled before the previous update had been published

@@ -88,11 +88,12 @@ class RolloutConfig(_Section):
     prompt, so a resumed run draws what the uninterrupted one drew). ``null``: not seeded, which
     vLLM samples faster (docs/benchmarks.md)."""
     sampler_logprobs_every: int = Field(1, ge=0)
-    """vLLM: record the sampler's logprob of each generated token on every N-th rollout call (the
-    first included); 0: never. Recording them costs vLLM per-token host work (about a third of its
-    generation time on issue 9's workload, docs/benchmarks.md); unrecorded, ``train/logprob_gap_*``
-    is absent on that step. Must be 1 when the loss, score centering or off-policy sampling reads
-    them. The transformers engine always records them (they are free there)."""
+    """vLLM: record the sampler's logprob of each generated token only when sampling with the
+    weights of every N-th optimizer step (the initial weights included); 0: never. Recording them
+    costs vLLM per-token host work (about a third of its generation time on issue 9's workload,
+    docs/benchmarks.md); unrecorded, ``train/logprob_gap_*`` is absent on that step. Must be 1 when
+    the loss or off-policy sampling reads them (score centering records them anyway). The
+    transformers engine always records them (they are free there)."""
     batch_size: int = Field(256, ge=1)
     """Most sequences the hf engine decodes at once."""
     gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)

@@ -244,7 +244,9 @@ class DataParallel:
     def merge_stats(self, stats: LossStats) -> LossStats:
         """``stats`` of every rank combined: SUM per field, MAX for ``LossStats.MAX_FIELDS``.
 
-        Which fields are None depends on the config only, so it is the same on every rank.
+        Which fields are None depends on the config and, for the train/inference gap, on whether this
+        step's rollout recorded the sampler's logprobs, which every rank decides alike from the
+        weight version (``rollout/vllm_engine.py:records_logprobs``): the same on every rank.
         """
         present = [f.name for f in dataclasses.fields(stats) if getattr(stats, f.name) is not None]
         merged: dict[str, Tensor] = {}

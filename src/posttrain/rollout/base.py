@@ -19,8 +19,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     sampler_logprobs_every: int = 1
-    """Engines whose logprobs cost extra (vLLM) record ``Completion.logprobs`` only on every N-th
-    call of their stream (call 0 included); 0: never. ``logprobs_topk > 0`` records them always."""
+    """Engines whose logprobs cost extra (vLLM) record ``Completion.logprobs`` only when their weights
+    come from an optimizer step that is a multiple of N (the initial weights included); 0: never.
+    ``logprobs_topk > 0`` records them always."""
     logprobs_topk: int = 0
     """When > 0 the engine also returns, per generated token, the top-k ids and logprobs of the
     distribution it sampled from (``Completion.extra["head_ids"]`` / ``["head_logprobs"]``: one list of

@@ -115,12 +115,16 @@ def _head(entry: Mapping[int, Any], k: int) -> tuple[list[int], list[float]]:
     return [int(i) for i, _ in ranked], [float(lp.logprob) for _, lp in ranked]
 
 
-def records_logprobs(params: SamplingParams, call_index: int) -> bool:
-    """Whether call ``call_index`` (0-based, of this sampling stream) records the sampler's logprobs:
-    always when a top-k head is asked for, else on every ``sampler_logprobs_every``-th call from the
-    first; never when it is 0."""
+def records_logprobs(params: SamplingParams, weight_version: int) -> bool:
+    """Whether sampling with the weights of optimizer step ``weight_version`` records the sampler's
+    logprobs: always when a top-k head is asked for, else when the version is a multiple of
+    ``sampler_logprobs_every`` (the initial weights, version 0, included); never when it is 0.
+
+    Keyed on the weight version, not on a call counter, so every call of one training step, on
+    every rank and every replica, makes the same choice: the trainer then sees a whole step with
+    or without them, and ranks reduce the same metrics."""
     every = params.sampler_logprobs_every
-    return params.logprobs_topk > 0 or (every > 0 and call_index % every == 0)
+    return params.logprobs_topk > 0 or (every > 0 and weight_version % every == 0)
 
 
 def build_llm(vllm: Any, **engine_args: Any) -> tuple[Any, int]:
@@ -360,7 +364,7 @@ class VLLMRolloutEngine:
         # vLLM refuses n > 1 for greedy requests: send the n identical copies as n requests.
         copies = n if params.temperature <= 0 else 1
         owners = [p for p in range(len(prompt_token_ids)) for _ in range(copies)]
-        record = records_logprobs(params, call_index)
+        record = records_logprobs(params, self.weight_version)
         requests = [self._request(params, n // copies, call_index, p, record) for p in owners]
         prompts = [TokensPrompt(prompt_token_ids=list(prompt_token_ids[p])) for p in owners]
         start = time.perf_counter()
