@@ -148,6 +148,9 @@ case ${1:-} in
     step i9_lean_nolp 300 --model /tmp/m05 --steps 6 --sampler-logprobs-every 0
     step i9_lean_offpolicy 300 --model /tmp/m05 --steps 6 --unseeded --off-policy
     bench i9_trl_vllm_4 300 python3 "$D/peers/trl_grpo_gpu_step.py" /tmp/m05 vllm
+    cp "${OUT:-/tmp/out}/trl_vllm.json" "$R/i9_trl_vllm_4.json" 2>/dev/null || cp /tmp/out/trl_vllm.json "$R/i9_trl_vllm_4.json"
+    python3 "$D/benchmarks/side_by_side.py" "$R/i9_lean_both.json" "$R/i9_trl_vllm_4.json" "$R/i9_lean_nolp.json" \
+      "$R/i9_lean_offpolicy.json" | tee "$R/side_by_side.md"
     date -u +"jobs3 end %T"
     touch /tmp/jobs.done ;;
   *) sed -n 2,14p "$0"; exit 2 ;;
