@@ -265,13 +265,39 @@ def main(argv: list[str] | None = None) -> int:
         "--sampler-logprobs-every", type=int, default=1, help="rollout.sampler_logprobs_every (0: never record)"
     )
     p.add_argument("--out", type=Path, help="write the per-step figures as JSON here")
+    p.add_argument(
+        "--trl",
+        type=Path,
+        help="then run TRL's peer script (../shared/peers/trl_grpo_gpu_step.py) on the same model in this call "
+        "and print both side by side (needs --out; TRL's wheels installed)",
+    )
+    p.add_argument("--trl-mode", default="vllm", choices=["vllm", "hf", "hf_bf16"], help="TRL's generation path")
     args = p.parse_args(argv)
     if args.off_policy and args.engine != "vllm":
         p.error("--off-policy needs --engine vllm (the transformers engine samples with the trained module)")
+    if args.trl and not args.out:
+        p.error("--trl needs --out (TRL's figures are written beside it)")
     result = run(args)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
+    if args.trl:
+        run_trl_beside(args)
     return 0
+
+
+def run_trl_beside(args: argparse.Namespace) -> None:
+    """TRL's GRPOTrainer on the same model, in a process of its own after ours released the GPU,
+    then one table of both (``side_by_side.py``)."""
+    import os
+    import subprocess
+
+    out_dir = args.out.parent
+    env = {**os.environ, "OUT": str(out_dir)}
+    subprocess.run([sys.executable, str(args.trl), args.model, args.trl_mode], env=env, check=True)
+    side_by_side = Path(__file__).with_name("side_by_side.py")
+    subprocess.run(
+        [sys.executable, str(side_by_side), str(args.out), str(out_dir / f"trl_{args.trl_mode}.json")], check=True
+    )
 
 
 if __name__ == "__main__":
