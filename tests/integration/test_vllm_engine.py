@@ -209,7 +209,10 @@ def test_stop_on_eos_with_biased_weights(fresh: VLLMRolloutEngine, vllm_model_di
         direction = hidden.mean(dim=0)
         model.get_input_embeddings().weight[EOS] = 1.8 * direction / direction.norm()
     fresh.load_weights(model.state_dict(), version=2)
-    out = fresh.generate(prompts, 4, SamplingParams(max_tokens=8, seed=6))
+    # EOS comes about once in 12 completions here: pin the stream's call counter (it picks the
+    # request seeds), so the draw does not depend on how many calls earlier tests made
+    fresh.load_state_dict({"generate_calls": 0})
+    out = fresh.generate(prompts, 8, SamplingParams(max_tokens=8, seed=6))
     assert {c.finish_reason for c in out.completions} == {"stop", "length"}
     for c in out.completions:
         if c.finish_reason == "stop":
