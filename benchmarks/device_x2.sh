@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 8's two-GPU acceptance and issue 9's remaining measurements, on the device's nvidia-h200-x2,
 # in one lease. The wheels (vLLM 0.24 kit + Ray 2.60 + TRL 1.16 and its datasets), and the embedded
-# model's GGUF file travel as one tar split into parts (docs/benchmarks.md, "Bringing it over"):
+# model's GGUF file travel as one tar split into parts, built by benchmarks/device_pack.sh (9 parts;
+# its header gives the staging commands; each stage call took about 5 s of device time here):
 #
 #   stage    calls 1..N-1: carry .vx (one part); keeps it in /tmp/vparts
 #   start J  call N: carry .vx (last part + vllm-install) and .devsrc (the TRL peer scripts); installs,
