@@ -970,17 +970,13 @@ def resume_identity(cfg: GRPOConfig) -> dict[str, Any]:
     """The identity ``check_resume_compatible`` compares, built from a config."""
     from posttrain.policy.trainer import objective_spec
 
-    identity: dict[str, Any] = {
+    return {
         "data_seed": cfg.data_seed,
         "objective": dataclasses.asdict(objective_spec(cfg)),
         "ref_anchor": anchor_hash(cfg.rl.ref.model_dir),
         "n_mini": cfg.rl.n_mini,
+        **cfg.resume_identity_extra(),  # a config type may pin more (OPD: the teacher and its knobs)
     }
-    # A config type may pin more (OPD: the teacher and its signal knobs).
-    extra = getattr(cfg, "resume_identity_extra", None)
-    if callable(extra):
-        identity.update(extra())
-    return identity
 
 
 __all__ = [

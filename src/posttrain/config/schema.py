@@ -406,6 +406,11 @@ class GRPOConfig(_Section):
     grid: GridConfig = Field(default_factory=GridConfig)
     """Topology."""
 
+    def resume_identity_extra(self) -> dict[str, object]:
+        """What a resume must find unchanged beyond the identity every run pins
+        (``checkpoint/store.py:resume_identity``); nothing more for GRPO (OPD adds its teacher)."""
+        return {}
+
     @property
     def data_seed(self) -> int:
         """The seed that orders prompts (``rl.seed``, or ``rollout.seed`` when told to follow it)."""

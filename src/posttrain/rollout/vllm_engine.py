@@ -144,6 +144,14 @@ def build_llm(vllm: Any, **engine_args: Any) -> tuple[Any, int]:
         torch.set_num_threads(threads)
 
 
+def shutdown_llm(llm: Any) -> None:
+    """Shut an offline ``LLM``'s engine core down now (the rollout engine and the teacher own one each),
+    rather than leave it to interpreter exit."""
+    shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
 @contextmanager
 def engine_thread_count(engine_threads: int) -> Iterator[None]:
     """Run vLLM with the torch thread count it chose for itself, then give the trainer its own."""
@@ -260,9 +268,7 @@ class VLLMRolloutEngine:
         if llm is None:
             return
         self._llm = None
-        shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        shutdown_llm(llm)
         del llm
         gc.collect()
 

@@ -95,6 +95,6 @@ class VLLMTeacher:
         llm, self.llm = self.llm, None
         if llm is None or not self._owns_llm:
             return
-        shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        from posttrain.rollout.vllm_engine import shutdown_llm
+
+        shutdown_llm(llm)
