@@ -18,6 +18,7 @@ runs exactly that (``global_normalizer`` patched out) and must NOT match.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,6 +144,7 @@ def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
         dist.barrier()  # no rank leaves while its peer is still in the last collective
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # as exit_rank_process does: gloo's threads may abort a finalizing interpreter
 
 
 @pytest.fixture(scope="module")

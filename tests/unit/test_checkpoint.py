@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -486,6 +487,7 @@ def _fsdp_worker(rank: int, world: int, root: str, store: str) -> None:
         dist.barrier()  # no rank leaves while its peer is still in the last collective
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # as exit_rank_process does: gloo's threads may abort a finalizing interpreter
 
 
 def test_dcp_two_ranks_fsdp_round_trip(tmp_path: Path) -> None:

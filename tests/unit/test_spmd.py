@@ -61,3 +61,40 @@ def test_pin_torchrun_gpu(env: dict[str, str], expected: str | None) -> None:
     before = env.get("CUDA_VISIBLE_DEVICES")
     assert pin_torchrun_gpu(env) == expected
     assert env.get("CUDA_VISIBLE_DEVICES") == (expected if expected is not None else before)
+
+
+_EXIT_SCRIPT = r"""
+import atexit, sys
+from posttrain.launch.spmd import exit_rank_process
+atexit.register(lambda: print("FINALIZED"))
+print("buffered output", end="")
+sys.stderr.write("buffered error")
+code = exit_rank_process(int(sys.argv[1]))
+print(" RETURNED", code)
+"""
+
+
+@pytest.mark.parametrize(
+    ("world_size", "status", "returncode", "stdout"),
+    [
+        ("2", 0, 0, "buffered output"),  # a rank ends at once: no finalization, its output flushed
+        ("2", 1, 1, "buffered output"),
+        ("1", 3, 0, "buffered output RETURNED 3\nFINALIZED\n"),  # one process: the caller exits
+        ("two", 1, 0, "buffered output RETURNED 1\nFINALIZED\n"),
+    ],
+)
+def test_exit_rank_process(world_size: str, status: int, returncode: int, stdout: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, WORLD_SIZE=world_size)
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(status)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (returncode, stdout, "buffered error")

@@ -141,8 +141,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "posttrain grpo", comman
             command.load("train")(cfg, argv=full_argv)
     except PosttrainError as exc:
         print(f"error{_rank_tag()}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        return _leave(1)
+    return _leave(0)
+
+
+def _leave(status: int) -> int:
+    """``status`` for a single process; a rank of a multi-rank launch exits here (exit_rank_process)."""
+    from posttrain.launch.spmd import exit_rank_process
+
+    return exit_rank_process(status)
 
 
 def _rank_tag() -> str:

@@ -100,6 +100,30 @@ def close_policy_world(*, finished: bool = False) -> None:
         dist.destroy_process_group()
 
 
+def exit_rank_process(status: int) -> int:
+    """End a rank of a multi-rank launch with ``status`` right away, once its output is flushed;
+    in a single process, return ``status`` for the caller to exit with.
+
+    Why not a normal interpreter exit: torch's gloo worker threads may still be releasing the last
+    finished collective (and the tensors it held) while Python finalizes, because FSDP2's DTensors
+    keep the process group alive past ``destroy_process_group``. A thread that needs the GIL
+    during finalization is ended by Python, and the C++ runtime aborts the whole process
+    ("terminate called without an active exception", status -6) after a run that succeeded. The
+    run has closed its engines, sinks and checkpoints by now, so there is nothing left to finalize."""
+    try:
+        if env_world_size() <= 1:
+            return status
+    except ValueError:  # a WORLD_SIZE that is not a number: preflight has said so; no ranks to end
+        return status
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def _merge_one(key: str, values: Sequence[float]) -> float:
     """One metric over the ranks, by what its name says it measures."""
     if key.endswith("_max"):
