@@ -61,6 +61,7 @@ class Case:
     local_norm: bool = False
     steps: int = 1
     rtol: float = 1e-5
+    param_atol: float = PARAM_ATOL
 
 
 CASES = [
@@ -71,6 +72,14 @@ CASES = [
     Case("clipped", ["rl.optimizer.grad_clip_norm=0.01"], rtol=NORM_RTOL),
     Case("hsdp", ["rl.loss_type=seq-mean-token-mean"], dp_replicate=2),
     Case("control-local-norm", ["rl.loss_type=token-mean"], local_norm=True),
+    # Each rank packs its own cell (the packing probe runs through FSDP2 at the trainer's start). Its
+    # micro-batches hold other sequences than one process's, so sums round in another order, and
+    # AdamW's first step (g / (|g| + eps)) magnifies that in near-zero gradient entries: 2.7e-6 seen.
+    Case(
+        "packed",
+        ["rl.loss_type=token-mean", "model.share_prompt_prefix=false", "model.sequence_packing=true"],
+        param_atol=1e-5,
+    ),
 ]
 
 
@@ -192,7 +201,7 @@ def test_two_ranks_match_one_process(tiny_model_dir: str, two_rank_results: dict
         assert not bad, f"optimizer step {step}: gradients differ in {bad}"
     assert reference["state"].keys() == dist["state"].keys()
     for name, ref in reference["state"].items():
-        torch.testing.assert_close(dist["state"][name], ref, rtol=0, atol=PARAM_ATOL, msg=name)
+        torch.testing.assert_close(dist["state"][name], ref, rtol=0, atol=case.param_atol, msg=name)
     initial = _initial(tiny_model_dir)  # the update is real: the weights moved from the checkpoint
     assert any(not torch.equal(ref, initial[name]) for name, ref in reference["state"].items())
     for key in ("train/loss_avg", "train/grad_norm", "train/clip_frac", "optim/step"):

@@ -1,4 +1,5 @@
-"""The policy update on a tiny model: the shared-prompt pass, micro-batch invariance, mini-batches."""
+"""The policy update on a tiny model: the shared-prompt pass, sequence packing, micro-batch invariance,
+mini-batches."""
 
 from __future__ import annotations
 
@@ -74,8 +75,15 @@ def test_micro_batches_and_prefix_sharing_do_not_change_the_update(
 ) -> None:
     common = [f"rl.loss_type={loss_type}", f"rl.importance_sampling_level={level}"]
     reference, ref_metrics = _trained_params(tiny_model_dir, [*common, "model.share_prompt_prefix=false"])
-    for extra in (["rl.micro_batch_per_replica=4"], ["rl.micro_batch_per_replica=8"], ["rl.micro_batch_per_replica=2"]):
-        params, metrics = _trained_params(tiny_model_dir, [*common, *extra, "model.share_prompt_prefix=true"])
+    packed = ["model.share_prompt_prefix=false", "model.sequence_packing=true"]
+    for extra in (
+        ["rl.micro_batch_per_replica=4", "model.share_prompt_prefix=true"],
+        ["rl.micro_batch_per_replica=8", "model.share_prompt_prefix=true"],
+        ["rl.micro_batch_per_replica=2", "model.share_prompt_prefix=true"],
+        packed,  # the whole batch packed into rows of its longest sequence
+        ["rl.micro_batch_per_replica=8", *packed],
+    ):
+        params, metrics = _trained_params(tiny_model_dir, [*common, *extra])
         for a, b in zip(reference, params):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
         assert metrics["train/loss_avg"] == pytest.approx(ref_metrics["train/loss_avg"], abs=1e-5)
@@ -133,3 +141,27 @@ def test_non_finite_gradient_is_fatal_and_names_the_parameter(tiny_model_dir: st
     batch.advantages_B[0] = float("inf")
     with pytest.raises(TrainingError, match=r"step 7: non-finite gradient .* parameter"):
         trainer.train_on(batch, step=7)
+
+
+@pytest.mark.parametrize(("micro", "fewer"), [(16, True), (8, True), (4, False)])
+def test_packed_micro_batches_keep_their_count_and_never_compute_more_cells(
+    tiny_model_dir: str, micro: int, fewer: bool
+) -> None:
+    def cells(overrides: list[str]) -> tuple[int, int, list[int]]:
+        cfg = build_config(None, [*cfg_overrides, f"rl.micro_batch_per_replica={micro}", *overrides])
+        trainer = PolicyTrainer(_load(tiny_model_dir), cfg, pad_id=2)
+        trainer._decide_sharing(batch)
+        micros = trainer._micro_batches(batch, list(range(16)))
+        built = [trainer._model_batch(batch, rows) for rows in micros]
+        assert all(isinstance(b, PolicyBatch) for b in built)
+        return len(micros), sum(b.input_ids_RL.numel() for b in built), sorted(i for m in micros for i in m)
+
+    cfg_overrides = ["rl.batch_per_replica=16", "rl.group_size=4", "model.share_prompt_prefix=false"]
+    batch = _batch()  # sequences of 3 to 14 tokens
+    padded_count, padded_cells, padded_rows = cells([])
+    packed_count, packed_cells, packed_rows = cells(["model.sequence_packing=true"])
+    assert packed_count == padded_count == 16 // micro
+    assert packed_rows == padded_rows == list(range(16))  # every sequence once
+    real = sum(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids))
+    assert real <= packed_cells <= padded_cells
+    assert (packed_cells < padded_cells) == fewer  # 4 sorted rows per micro-batch leave nothing to pack

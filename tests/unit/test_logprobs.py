@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from posttrain.policy.batching import build_policy_batch
-from posttrain.policy.logprobs import completion_logprobs
+from posttrain.errors import ConfigError
+from posttrain.policy.batching import build_policy_batch, pack_rows, packed_cells, packed_micro_batches
+from posttrain.policy.logprobs import check_packing_isolates, completion_logprobs
 
 PROMPTS = [[5, 9, 3], [7], [11, 2, 8, 4, 6], [1, 1]]
 COMPLETIONS = [[4, 4, 2, 9], [3, 10, 12, 1, 5, 7], [], [8]]
@@ -35,7 +36,7 @@ def _model(vocab: int = 32, *, tie: bool = True, seed: int = 0) -> LlamaForCausa
 def _naive_logprobs(model: LlamaForCausalLM, prompts, completions, temperature: float) -> torch.Tensor:
     """Straightforward reference: full forward with the padding mask, log_softmax over all positions."""
     batch = build_policy_batch(prompts, completions, pad_id=0, device="cpu")
-    logits_BLV = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits.float()
+    logits_BLV = model(input_ids=batch.input_ids_RL, attention_mask=batch.attention_mask_RL).logits.float()
     logp_BLV = torch.log_softmax(logits_BLV / temperature, dim=-1)
     rows, pos, toks, cols = [], [], [], []
     for b, (p, c) in enumerate(zip(prompts, completions)):
@@ -48,11 +49,97 @@ def _naive_logprobs(model: LlamaForCausalLM, prompts, completions, temperature: 
 
 def test_build_policy_batch_layout() -> None:
     batch = build_policy_batch([[5, 6], [7]], [[1, 2, 3], []], pad_id=0, device="cpu")
-    assert batch.input_ids_BL.tolist() == [[5, 6, 1, 2, 3], [7, 0, 0, 0, 0]]
-    assert batch.attention_mask_BL.tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
-    assert batch.completion_start_B.tolist() == [2, 1]
+    assert batch.input_ids_RL.tolist() == [[5, 6, 1, 2, 3], [7, 0, 0, 0, 0]]
+    assert batch.attention_mask_RL.tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert batch.position_ids_RL is None
     assert batch.completion_ids_BT.tolist() == [[1, 2, 3], [0, 0, 0]]
     assert batch.completion_mask_BT.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    # completion tokens (0,0) (0,1) (0,2), predicted from flat positions 1, 2, 3 of row 0
+    assert (batch.row_N.tolist(), batch.col_N.tolist(), batch.source_N.tolist()) == ([0, 0, 0], [0, 1, 2], [1, 2, 3])
+
+
+def test_pack_rows_is_first_fit_decreasing() -> None:
+    assert pack_rows([3, 7, 5, 2, 7, 12], 12) == [[5], [1, 2], [4, 0, 3]]
+    assert pack_rows([4, 4, 4], 4) == [[0], [1], [2]]
+    assert pack_rows([], 4) == []
+    with pytest.raises(ValueError, match=r"sequence\(s\) \[1\] are longer than the packing capacity 4"):
+        pack_rows([4, 5], 4)
+
+
+def test_packed_micro_batches_take_the_split_with_fewer_cells() -> None:
+    lengths = [3, 7, 5, 2, 7, 12]
+    assert packed_cells(lengths) == 3 * 12  # rows [12], [7, 5], [7, 3, 2]
+    assert packed_cells([5, 5, 2]) == 3 * 5 and packed_cells([4, 3, 1]) == 2 * 4 and packed_cells([]) == 0
+    # size 3: the runs by length, [2, 3, 5] and [7, 7, 12], pack into 2 x 5 + 3 x 12 = 46 cells; the
+    # rows packed at 12, [12] [7, 5] [7, 3, 2], dealt to 2 micro-batches: [12, 7, 3, 2] packs into
+    # 2 x 12 and [7, 5] into 2 x 7, 38 cells
+    assert packed_micro_batches(lengths, 3) == [[5, 4, 0, 3], [1, 2]]
+    assert sorted(packed_micro_batches(lengths, 6)[0]) == list(range(6))  # one micro-batch
+    # [4, 4] + [9, 9] = 8 + 18 cells beat the dealt [9, 4, 4] + [9] = 18 + 9: the runs
+    assert packed_micro_batches([9, 4, 9, 4], 2) == [[1, 3], [0, 2]]
+    # 2 packed rows ([4], [1, 1, 1]) for 4 micro-batches: the runs
+    assert packed_micro_batches([1, 1, 1, 4], 1) == [[0], [1], [2], [3]]
+
+
+def test_build_packed_batch_layout() -> None:
+    # lengths 5, 2, 3 -> capacity 5: row 0 holds sequence 0, row 1 holds sequence 2 then sequence 1
+    batch = build_policy_batch([[5, 6], [7], [8, 9]], [[1, 2, 3], [4], [10]], pad_id=0, device="cpu", pack_capacity=0)
+    assert batch.input_ids_RL.tolist() == [[5, 6, 1, 2, 3], [8, 9, 10, 7, 4]]
+    assert batch.attention_mask_RL.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert batch.position_ids_RL is not None
+    assert batch.position_ids_RL.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
+    assert batch.completion_ids_BT.tolist() == [[1, 2, 3], [4, 0, 0], [10, 0, 0]]
+    assert batch.row_N.tolist() == [0, 0, 0, 1, 2]
+    assert batch.col_N.tolist() == [0, 1, 2, 0, 0]
+    # row 0 positions 1-3; sequence 1 starts at flat 5 + 3 = 8 (predicted from 8); sequence 2 from 5 + 1
+    assert batch.source_N.tolist() == [1, 2, 3, 8, 6]
+    assert batch.num_rows == 3
+    wider = build_policy_batch([[5, 6], [7], [8, 9]], [[1, 2, 3], [4], [10]], pad_id=0, device="cpu", pack_capacity=8)
+    assert wider.input_ids_RL.tolist() == [[5, 6, 1, 2, 3, 8, 9, 10], [7, 4, 0, 0, 0, 0, 0, 0]]
+    assert wider.source_N.tolist() == [1, 2, 3, 8, 6]
+    tail = build_policy_batch([[5, 6, 7]], [[1]], pad_id=0, device="cpu", pack_capacity=0)  # nothing to pack
+    assert tail.input_ids_RL.tolist() == [[5, 6, 7, 1]] and tail.position_ids_RL.tolist() == [[0, 1, 2, 3]]
+    short = build_policy_batch([[5, 6, 7, 8], [1], [2]], [[1], [], []], pad_id=0, device="cpu", pack_capacity=0)
+    assert short.input_ids_RL.tolist() == [[5, 6, 7, 8, 1], [1, 2, 0, 0, 0]]
+    assert short.position_ids_RL.tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]  # the padding: a sequence apart
+
+
+PACKED_PROMPTS = [*PROMPTS, [3, 3, 3, 3, 3, 3, 3, 3]]
+PACKED_COMPLETIONS = [*COMPLETIONS, [2, 2, 6, 2]]  # lengths 7, 7, 5, 3, 12: rows [12], [7, 5], [7, 3]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_values_and_gradients_match_naive(attention: str) -> None:
+    model = _model()
+    model.config._attn_implementation = attention
+    weights_BT = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    expected = _naive_logprobs(model, PACKED_PROMPTS, PACKED_COMPLETIONS, 0.9)
+    (expected * weights_BT).sum().backward()
+    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    batch = build_policy_batch(PACKED_PROMPTS, PACKED_COMPLETIONS, pad_id=0, device="cpu", pack_capacity=0)
+    assert batch.input_ids_RL.shape == (3, 12)
+    got = completion_logprobs(model, batch, temperature=0.9, chunk_tokens=5)
+    assert isinstance(got, torch.Tensor)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    (got * weights_BT).sum().backward()
+    for name, param in model.named_parameters():
+        scale = max(1.0, expected_grads[name].abs().max().item())
+        assert (param.grad - expected_grads[name]).abs().max().item() <= 1e-5 * scale, name
+
+
+def test_packing_probe_passes_transformers_models_and_fails_a_model_that_mixes_sequences() -> None:
+    model = _model()
+    check_packing_isolates(model)  # a transformers Llama masks by position ids
+    forward = model.model.forward
+
+    def ignores_position_ids(*args, position_ids=None, **kwargs):  # what a model unaware of packing does
+        return forward(*args, **kwargs)
+
+    model.model.forward = ignores_position_ids
+    with pytest.raises(ConfigError, match=r"lets packed sequences attend to each other.*sequence_packing=false"):
+        check_packing_isolates(model)
 
 
 def test_build_policy_batch_rejects_bad_rows() -> None:
@@ -98,7 +185,7 @@ def test_head_ids_return_policy_logprobs_at_those_ids() -> None:
         logprobs_BT, head_BTK = completion_logprobs(
             model, batch, temperature=0.8, chunk_tokens=4, head_ids_BTK=head_ids_BTK
         )
-        logits_BLV = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL).logits
+        logits_BLV = model(input_ids=batch.input_ids_RL, attention_mask=batch.attention_mask_RL).logits
         logp_BLV = torch.log_softmax(logits_BLV / 0.8, dim=-1)
     for b, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)):
         for t in range(6):

@@ -59,6 +59,14 @@ class ModelConfig(_Section):
     are long next to completions and costs time when they are short (on an H200, 44-token prompts
     with 256-token completions: 1.58 s shared vs 0.92 s plain per update). ``auto`` shares when a
     batch's mean prompt is at least as long as its mean completion."""
+    sequence_packing: bool = False
+    """Pack each micro-batch's sequences end to end into as few rows as hold them (each as wide as
+    its longest sequence) instead of one right-padded row per sequence, so the update computes
+    little padding when lengths vary. Each sequence still attends only to itself: the position ids
+    restart per sequence and transformers masks by them (block-diagonal). A probe at start fails
+    loudly if the model lets packed sequences see each other. Applies to the per-sequence path,
+    not to batches that ``share_prompt_prefix`` runs once per group. Gains grow with the spread of
+    lengths; with all sequences equally long there is nothing to remove."""
     compile: bool = False
     """``torch.compile`` each decoder layer (dynamic shapes) for the policy update: fuses the
     elementwise work that makes a small model's eager step launch-bound on a GPU. The first steps

@@ -1,4 +1,19 @@
-"""Pack (prompt, completion) token lists into the right-padded tensors the policy forward reads."""
+"""Lay (prompt, completion) token lists out as the tensors the policy forward reads.
+
+Two layouts of the same sequences:
+
+* **padded** (the default): one row per sequence, right-padded to the longest. Every real token
+  sees only its own row, and the causal mask alone keeps it from seeing the padding after it.
+* **packed** (``model.sequence_packing``): sequences placed end to end into as few rows as hold
+  them (first-fit decreasing, each row as wide as the longest sequence), with ``position_ids``
+  restarting at 0 for each sequence. transformers turns such position ids into a block-diagonal
+  causal mask (flash-attention varlen, flex attention, or an SDPA/eager mask), so each sequence
+  still sees only itself while the rows carry little padding.
+
+Either way the batch also carries, for every completion token in row-major order, its ``(row, column)``
+in the ``[B, T]`` completion layout and the flat index of the position whose hidden state predicts
+it. Those are built on the host here, so the forward never asks the device where the tokens are.
+"""
 
 from __future__ import annotations
 
@@ -11,51 +26,144 @@ from torch import Tensor
 
 @dataclass
 class PolicyBatch:
-    """Right-padded sequences: row ``b`` is ``prompt_b + completion_b`` then padding.
+    """Model inputs ``[R, L]`` (R = B rows padded, fewer when packed) and the ``[B, T]`` completions.
 
-    ``completion_ids_BT[b, t]`` sits at ``input_ids_BL[b, completion_start_B[b] + t]`` and is
-    predicted by position ``completion_start_B[b] + t - 1``. ``T`` is the longest completion.
+    Completion token ``t`` of sequence ``b`` is ``completion_ids_BT[b, t]``; the hidden state that
+    predicts it sits at flat position ``source_N[n]`` of the ``[R * L]`` input, where ``n`` runs over
+    the completion tokens row-major and ``(row_N[n], col_N[n]) == (b, t)``. ``T`` is the longest
+    completion. ``position_ids_RL`` is None in the padded layout (positions count from 0 per row).
     """
 
-    input_ids_BL: Tensor
-    attention_mask_BL: Tensor
-    completion_start_B: Tensor
+    input_ids_RL: Tensor
+    attention_mask_RL: Tensor
+    position_ids_RL: Tensor | None
     completion_mask_BT: Tensor
     completion_ids_BT: Tensor
+    row_N: Tensor
+    col_N: Tensor
+    source_N: Tensor
 
     @property
     def num_rows(self) -> int:
-        return int(self.input_ids_BL.shape[0])
+        """B: the number of sequences (not of packed input rows)."""
+        return int(self.completion_ids_BT.shape[0])
 
 
-def build_policy_batch(
-    prompt_ids: list[list[int]], completion_ids: list[list[int]], *, pad_id: int, device: Any
-) -> PolicyBatch:
-    """Build a ``PolicyBatch`` on ``device``; every prompt needs at least one token (the first
-    completion token is predicted from the prompt's last position)."""
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Sequence indices grouped into rows of at most ``capacity`` tokens: first-fit decreasing
+    (longest first, each into the first row with room). Every length must fit ``capacity``."""
+    too_long = [i for i, n in enumerate(lengths) if n > capacity]
+    if too_long:
+        raise ValueError(f"sequence(s) {too_long[:5]} are longer than the packing capacity {capacity}")
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        slot = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if slot is None:
+            rows.append([])
+            room.append(capacity)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        room[slot] -= lengths[i]
+    return rows
+
+
+def packed_cells(lengths: list[int]) -> int:
+    """Token cells (rows x width) of these sequences packed into rows of the longest one."""
+    width = max(lengths, default=0)
+    return len(pack_rows(lengths, width)) * width
+
+
+def packed_micro_batches(lengths: list[int], size: int) -> list[list[int]]:
+    """Sequence indices split into ``ceil(len / size)`` micro-batches for packing, whichever of two
+    splits computes fewer packed cells: consecutive runs of ``size`` by length (each micro-batch
+    packs what it holds), or all the sequences packed into rows of the longest one and those rows
+    dealt round-robin (short sequences then fill the room beside long ones in every micro-batch).
+    The count is the padded split's, so every policy rank runs as many forwards as without
+    packing."""
+    count = -(-len(lengths) // size)
+    by_len = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    runs = [by_len[i : i + size] for i in range(0, len(by_len), size)]
+    rows = pack_rows(lengths, max(lengths, default=0))
+    if len(rows) < count:  # too few rows to give every micro-batch one
+        return runs
+    dealt = [[i for row in rows[k::count] for i in row] for k in range(count)]
+
+    def cost(split: list[list[int]]) -> int:
+        return sum(packed_cells([lengths[i] for i in micro]) for micro in split)
+
+    return dealt if cost(dealt) < cost(runs) else runs
+
+
+def _check_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> None:
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions; they must pair up")
     empty = [i for i, p in enumerate(prompt_ids) if not p]
     if empty:
         raise ValueError(f"row(s) {empty[:5]} have an empty prompt; every prompt needs at least one token")
-    rows = len(prompt_ids)
-    width = max((len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)), default=0)
+
+
+def build_policy_batch(
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    *,
+    pad_id: int,
+    device: Any,
+    pack_capacity: int | None = None,
+) -> PolicyBatch:
+    """Build a ``PolicyBatch`` on ``device``: padded (one row per sequence) when ``pack_capacity`` is
+    None, else packed into rows of ``max(pack_capacity, longest sequence)`` tokens. Every prompt
+    needs at least one token (the first completion token is predicted from the prompt's last
+    position)."""
+    _check_rows(prompt_ids, completion_ids)
+    sequences = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+    lengths = [len(s) for s in sequences]
+    width = max(lengths, default=0)
+    pack = pack_capacity is not None
+    if pack_capacity is not None:
+        width = max(width, pack_capacity)
+    layout = pack_rows(lengths, width) if pack else [[b] for b in range(len(sequences))]
+    input_ids_RL = torch.full((len(layout), width), pad_id, dtype=torch.long)
+    attention_mask_RL = torch.zeros((len(layout), width), dtype=torch.long)
+    position_ids_RL = torch.zeros((len(layout), width), dtype=torch.long)
+    start_B = [0] * len(sequences)  # flat offset of each sequence's first token in [R * L]
+    for r, members in enumerate(layout):
+        col = 0
+        for b in members:
+            n = lengths[b]
+            input_ids_RL[r, col : col + n] = torch.tensor(sequences[b], dtype=torch.long)
+            attention_mask_RL[r, col : col + n] = 1
+            position_ids_RL[r, col : col + n] = torch.arange(n)
+            start_B[b] = r * width + col
+            col += n
+        # the tail is a sequence of its own (positions from 0), so it never joins the last one
+        position_ids_RL[r, col:] = torch.arange(width - col)
+
     longest = max((len(c) for c in completion_ids), default=0)
-    input_ids_BL = torch.full((rows, width), pad_id, dtype=torch.long)
-    attention_mask_BL = torch.zeros((rows, width), dtype=torch.long)
-    completion_ids_BT = torch.full((rows, longest), pad_id, dtype=torch.long)
-    completion_mask_BT = torch.zeros((rows, longest), dtype=torch.float32)
+    completion_ids_BT = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
+    completion_mask_BT = torch.zeros((len(sequences), longest), dtype=torch.float32)
+    rows: list[int] = []
+    cols: list[int] = []
+    sources: list[int] = []
     for b, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
-        total = len(prompt) + len(completion)
-        input_ids_BL[b, :total] = torch.tensor(list(prompt) + list(completion), dtype=torch.long)
-        attention_mask_BL[b, :total] = 1
-        completion_ids_BT[b, : len(completion)] = torch.tensor(completion, dtype=torch.long)
-        completion_mask_BT[b, : len(completion)] = 1.0
-    completion_start_B = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+        n = len(completion)
+        completion_ids_BT[b, :n] = torch.tensor(completion, dtype=torch.long)
+        completion_mask_BT[b, :n] = 1.0
+        rows += [b] * n
+        cols += range(n)
+        first = start_B[b] + len(prompt) - 1  # the prompt's last position predicts completion token 0
+        sources += range(first, first + n)
+
+    def put(t: Tensor) -> Tensor:
+        return t.to(device, non_blocking=True)
+
     return PolicyBatch(
-        input_ids_BL=input_ids_BL.to(device),
-        attention_mask_BL=attention_mask_BL.to(device),
-        completion_start_B=completion_start_B.to(device),
-        completion_mask_BT=completion_mask_BT.to(device),
-        completion_ids_BT=completion_ids_BT.to(device),
+        input_ids_RL=put(input_ids_RL),
+        attention_mask_RL=put(attention_mask_RL),
+        position_ids_RL=put(position_ids_RL) if pack else None,
+        completion_mask_BT=put(completion_mask_BT),
+        completion_ids_BT=put(completion_ids_BT),
+        row_N=put(torch.tensor(rows, dtype=torch.long)),
+        col_N=put(torch.tensor(cols, dtype=torch.long)),
+        source_N=put(torch.tensor(sources, dtype=torch.long)),
     )

@@ -1,10 +1,11 @@
 """Per-token completion logprobs without a full fp32 [tokens, vocabulary] logits tensor.
 
-The model's body runs once over the packed batch; only the hidden states that predict completion
-tokens are kept, and the LM head is applied to them ``chunk_tokens`` rows at a time. Each chunk
-computes its fp32 logits, a logsumexp and a gather, and is wrapped in activation checkpointing so
-that backward recomputes that chunk's logits instead of keeping them: peak memory holds one
-chunk's ``[chunk_tokens, V]`` logits (and their gradient), never ``[B, L, V]``.
+The model's body runs once over the batch (padded or packed, ``policy/batching.py``); only the
+hidden states that predict completion tokens are kept, and the LM head is applied to them
+``chunk_tokens`` rows at a time. Each chunk computes its fp32 logits, a logsumexp and a gather, and
+is wrapped in activation checkpointing so that backward recomputes that chunk's logits instead of
+keeping them: peak memory holds one chunk's ``[chunk_tokens, V]`` logits (and their gradient),
+never ``[B, L, V]``.
 """
 
 from __future__ import annotations
@@ -81,10 +82,11 @@ def chunked_head_logprobs(
 
 
 def _hidden_states(body: nn.Module, batch: PolicyBatch) -> Tensor:
-    # Rows are right-padded, so the causal mask alone keeps every real token from seeing padding;
-    # skipping the padding mask lets SDPA use its plain causal kernel (padded rows' outputs are
-    # never read).
-    out = body(input_ids=batch.input_ids_BL, use_cache=False)
+    # Padded rows are right-padded, so the causal mask alone keeps every real token from seeing
+    # padding; skipping the padding mask lets SDPA use its plain causal kernel (padded positions'
+    # outputs are never read). Packed rows pass their restarting position ids instead, from which
+    # transformers builds the block-diagonal causal mask.
+    out = body(input_ids=batch.input_ids_RL, position_ids=batch.position_ids_RL, use_cache=False)
     hidden: Tensor = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return hidden
 
@@ -92,9 +94,8 @@ def _hidden_states(body: nn.Module, batch: PolicyBatch) -> Tensor:
 def completion_hidden_states(body: nn.Module, batch: PolicyBatch) -> tuple[Tensor, Tensor, Tensor]:
     """``(hidden_NH, b_N, t_N)``: the body's hidden state that predicts each completion token (the one
     at the position before it), with the token's row and column, row-major over the batch."""
-    hidden_BLH = _hidden_states(body, batch)
-    b_N, t_N = (batch.completion_mask_BT > 0).nonzero(as_tuple=True)
-    return hidden_BLH[b_N, batch.completion_start_B[b_N] + t_N - 1], b_N, t_N
+    hidden_RLH = _hidden_states(body, batch)
+    return hidden_RLH.flatten(0, 1)[batch.source_N], batch.row_N, batch.col_N
 
 
 def completion_logprobs(
@@ -132,3 +133,48 @@ def completion_logprobs(
         return logprobs_BT
     head_BTK = out_NJ.new_zeros((rows, width, ids_NJ.shape[1] - 1)).index_put((b_N, t_N), out_NJ[:, 1:])
     return logprobs_BT, head_BTK
+
+
+@torch.no_grad()
+def check_packing_isolates(model: Any, *, tolerance: float = 1e-4) -> None:
+    """Fail loudly unless packed sequences stay apart in ``model`` (``model.sequence_packing``).
+
+    transformers isolates packed sequences by their restarting position ids, but only in models
+    whose attention mask is built from them; a model that ignores them would let each sequence
+    attend to the ones packed before it, silently. Probe: pack a short sequence behind a neighbour
+    twice, with two different neighbours; isolated, its logprobs do not depend on the neighbour."""
+    from posttrain.errors import ConfigError
+    from posttrain.policy.batching import build_policy_batch
+
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    follower = torch.randint(vocab, (6,), generator=gen).tolist()
+    wide = torch.randint(vocab, (12,), generator=gen).tolist()  # fills a row, so the others share one
+    seen = []
+    for neighbour_seed in (1, 2):
+        neighbour = torch.randint(vocab, (6,), generator=torch.Generator().manual_seed(neighbour_seed)).tolist()
+        # first-fit decreasing puts `wide` alone in row 0 and `neighbour` (first, as listed) then
+        # `follower` in row 1
+        batch = build_policy_batch(
+            [wide[:6], neighbour[:3], follower[:3]],
+            [wide[6:], neighbour[3:], follower[3:]],
+            pad_id=0,
+            device=device,
+            pack_capacity=12,
+        )
+        was_training = model.training
+        model.eval()
+        logprobs = completion_logprobs(model, batch)
+        model.train(was_training)
+        seen.append((logprobs if isinstance(logprobs, Tensor) else logprobs[0])[2].float())
+    gap = float((seen[0] - seen[1]).abs().max())
+    if not gap <= tolerance:
+        raise ConfigError(
+            [
+                f"model.sequence_packing=true: {type(model).__name__} lets packed sequences attend to each "
+                f"other (a sequence's logprobs moved by {gap:.3g} when the one packed before it changed); "
+                "this model does not build its attention mask from position ids. Set "
+                "model.sequence_packing=false."
+            ]
+        )

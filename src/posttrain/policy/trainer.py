@@ -18,8 +18,8 @@ from torch import nn
 from posttrain.algorithm.objectives import LossInputs, LossNormalizer, LossStats, ObjectiveSpec, policy_loss
 from posttrain.config.schema import GRPOConfig
 from posttrain.errors import PosttrainError, TrainingError
-from posttrain.policy.batching import PolicyBatch, build_policy_batch
-from posttrain.policy.logprobs import completion_logprobs
+from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_micro_batches
+from posttrain.policy.logprobs import check_packing_isolates, completion_logprobs
 from posttrain.policy.optim import build_optimizer, build_scheduler
 from posttrain.policy.shared_prefix import GroupedBatch, build_grouped_batch, grouped_completion_logprobs
 
@@ -159,6 +159,8 @@ class PolicyTrainer:
         self._share = False  # whether the current batch's prompts run once per group (_decide_sharing)
         if cfg.model.compile:
             compile_layers(model)
+        if cfg.model.sequence_packing:
+            check_packing_isolates(model)
 
     # -- partitioning -------------------------------------------------------------------------
     def _mini_batches(self, n: int) -> list[list[int]]:
@@ -196,11 +198,15 @@ class PolicyTrainer:
 
     def _micro_batches(self, batch: TrainBatch, mini: list[int]) -> list[list[int]]:
         """Micro-batches of a mini-batch: whole groups when the prompt pass is shared, else rows sorted
-        by length so that little padding is computed."""
+        by length so that little padding is computed (with ``model.sequence_packing``, the split
+        that packs into the fewest cells; as many micro-batches either way)."""
         size = self.cfg.rl.micro_batch_per_replica or len(mini)
         if self._shares_prefix(batch, size, mini):
             return [mini[i : i + size] for i in range(0, len(mini), size)]
-        by_len = sorted(mini, key=lambda i: len(batch.prompt_ids[i]) + len(batch.completion_ids[i]))
+        lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in mini]
+        if self.cfg.model.sequence_packing:
+            return [[mini[j] for j in micro] for micro in packed_micro_batches(lengths, size)]
+        by_len = [mini[j] for j in sorted(range(len(mini)), key=lambda j: lengths[j])]
         return [by_len[i : i + size] for i in range(0, len(by_len), size)]
 
     def _model_batch(self, batch: TrainBatch, rows: list[int]) -> PolicyBatch | GroupedBatch:
@@ -219,6 +225,7 @@ class PolicyTrainer:
             [batch.completion_ids[i] for i in rows],
             pad_id=self.pad_id,
             device=self.device,
+            pack_capacity=0 if self.cfg.model.sequence_packing else None,
         )
 
     def _logprobs(self, model: nn.Module, mb: PolicyBatch | GroupedBatch) -> torch.Tensor:

@@ -82,7 +82,7 @@ class HFTeacher:
         hidden_NH, b_N, t_N = completion_hidden_states(body, batch)
         ids_N = batch.completion_ids_BT[b_N, t_N]
         lp_N, tid_NK, tlp_NK = head_scores(hidden_NH, ids_N, head, top_k=top_k, chunk_tokens=self.chunk_tokens)
-        # One transfer per batch; rows are contiguous in b_N (nonzero is row-major).
+        # One transfer per batch; the tokens are row-major (build_policy_batch), so rows are contiguous.
         lp_list, tid_list, tlp_list = lp_N.cpu().tolist(), tid_NK.cpu().tolist(), tlp_NK.cpu().tolist()
         scores, pos = [], 0
         for r in requests:
