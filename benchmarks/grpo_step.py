@@ -97,6 +97,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
             policy=model,
             enable_sleep_mode=args.sleep,
             async_scheduling=True if args.async_scheduling else None,
+            separate_process=args.separate_engine_process,
         )
     else:
         from posttrain.rollout.hf_engine import HFRolloutEngine
@@ -260,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="model.compile: torch.compile the decoder layers")
     p.add_argument("--async-scheduling", action="store_true", help="vLLM async scheduling")
     p.add_argument("--off-policy", action="store_true", help="rl.max_off_policy_steps=1: sample k+1 while k trains")
+    p.add_argument(
+        "--separate-engine-process",
+        action="store_true",
+        help="rollout.separate_engine_process: vLLM's engine core in a process of its own (weights by CUDA IPC)",
+    )
     p.add_argument("--unseeded", action="store_true", help="rollout.seed=null: no per-prompt vLLM seeds")
     p.add_argument(
         "--sampler-logprobs-every", type=int, default=1, help="rollout.sampler_logprobs_every (0: never record)"

@@ -3,14 +3,15 @@
     python benchmarks/packing_update.py [--prompts 4] [--samples 4] [--max-completion 96]
                                         [--repeats 2] [--out benchmarks/results/packing_cpu.json]
 
-Builds a random-weight model of SmolLM2-135M's shape in memory (fp32 on a CPU, bf16 on a GPU) and a
-synthetic collected batch: prompts of 20-60 tokens, completions of lengths drawn like an RL batch's
-(most stop early, a few run to ``--max-completion``: a log-uniform draw from 4 to the cap, and one
-in eight at the cap). Then times ``PolicyTrainer.train_on`` (forward, backward, AdamW) with the
-plain per-sequence path, padded and packed (``model.sequence_packing``), the whole batch in one
-micro-batch and in micro-batches of a quarter of it (rows sorted by length, as the trainer does).
-Prints, per variant, the token cells the model computed (rows x width, summed over micro-batches)
-next to the real tokens, and the median time after one warm-up.
+Builds a random-weight model of SmolLM2-135M's shape in memory (``profile_update.make_model``: fp32
+on a CPU, bf16 on a GPU) and a synthetic collected batch: prompts of 20-60 tokens, completions of
+lengths drawn like an RL batch's (most stop early, a few run to ``--max-completion``: a log-uniform
+draw from 4 to the cap, and one in eight at the cap). Then times ``PolicyTrainer.train_on``
+(forward, backward, AdamW) on the plain per-sequence path, padded and packed
+(``model.sequence_packing``), with the whole batch in one micro-batch and in micro-batches of a
+quarter of it (split as the trainer splits: runs by length, or with packing whichever split packs
+into fewer cells). Prints, per variant, the token cells the model computed (rows x width, summed
+over micro-batches) next to the real tokens, and the median time after one warm-up.
 """
 
 from __future__ import annotations
@@ -24,26 +25,7 @@ import time
 from typing import Any
 
 import torch
-
-
-def make_model(device: torch.device) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        tie_word_embeddings=True,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-    )
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with device:
-        return LlamaForCausalLM(cfg).to(dtype)
+from profile_update import make_model  # this directory: the same random SmolLM2-135M shape
 
 
 def completion_lengths(count: int, cap: int, gen: torch.Generator) -> list[int]:
@@ -128,7 +110,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = make_model(device)
+    model = make_model("135m", device.type)
     batch = make_batch(a.prompts, a.samples, a.max_completion)
     real = sum(len(pr) + len(c) for pr, c in zip(batch.prompt_ids, batch.completion_ids))
     rows = len(batch.completion_ids)

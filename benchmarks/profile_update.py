@@ -24,7 +24,8 @@ import torch
 PEAK_BF16_FLOPS = 989e12
 
 
-def make_model(shape: str) -> Any:
+def make_model(shape: str, device: str = "cuda") -> Any:
+    """The random-weight model of ``shape`` on ``device``: bf16 on a GPU, fp32 on a CPU."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -42,8 +43,8 @@ def make_model(shape: str) -> Any:
         cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 896, 4864, 24
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 14, 2, 64
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16 if device == "cuda" else torch.float32)
     return model
 
 

@@ -17,7 +17,7 @@ from posttrain.models.tiny import make_tiny_model
 from posttrain.policy.batching import build_policy_batch
 from posttrain.policy.logprobs import completion_logprobs
 from posttrain.rollout.base import RolloutBatch, SamplingParams
-from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+from posttrain.rollout.vllm_engine import VLLMRolloutEngine, engine_core_is_separate
 
 pytestmark = pytest.mark.vllm
 
@@ -265,6 +265,40 @@ def test_vllm_teacher_scores_equal_the_hf_teacher(fresh: VLLMRolloutEngine, base
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=1e-4)
         assert g.topk_ids == w.topk_ids
         torch.testing.assert_close(torch.tensor(g.topk_logprobs), torch.tensor(w.topk_logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_separate_engine_process_takes_weights_through_shared_memory(
+    engine: VLLMRolloutEngine, vllm_model_dir: str, tokenizer, prompts
+) -> None:
+    """``separate_process``: the engine core runs in a process of its own and reads the weights from
+    the buffer it mapped once; after each load_weights it samples with exactly the trainer's weights."""
+    eng = VLLMRolloutEngine(
+        vllm_model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0, separate_process=True
+    )
+    try:
+        # built after the in-process engine of the tests above: vLLM's env cache must not keep it in-process
+        assert engine_core_is_separate(eng._llm) and not engine_core_is_separate(engine._llm)
+        model = _trainer_model(vllm_model_dir)
+        first = eng.generate(prompts, 2, SamplingParams(max_tokens=6, seed=4))
+        _assert_logprobs_match(first, _trainer_logprobs(model, first, tokenizer.pad_token_id))
+        buffers = []
+        previous = _trainer_model(vllm_model_dir)
+        for version in (1, 2):
+            previous.load_state_dict(model.state_dict())
+            with torch.no_grad():  # a different model each time, far from the one before
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(version)) * 0.05)
+            eng.load_weights(model.state_dict(), version=version)
+            assert eng._shared is not None and eng._shared.buffer is not None
+            buffers.append(eng._shared.buffer)
+            after = eng.generate(prompts, 2, SamplingParams(max_tokens=6, seed=4 + version))
+            assert after.weight_version == version
+            _assert_logprobs_match(after, _trainer_logprobs(model, after, tokenizer.pad_token_id))
+            stale = _trainer_logprobs(previous, after, tokenizer.pad_token_id)
+            assert max(abs(a - b) for c, ref in zip(after.completions, stale) for a, b in zip(c.logprobs, ref)) > 1e-2
+        assert buffers[0] is buffers[1]  # mapped once, refilled in place
+    finally:
+        eng.close()
 
 
 def test_failed_transfer_poisons_the_engine(engine: VLLMRolloutEngine, base_model, prompts) -> None:

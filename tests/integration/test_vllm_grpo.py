@@ -77,18 +77,22 @@ def test_sampler_logprobs_recorded_every_other_step(
     assert all(r["train/grad_norm"] > 0 for r in records)
 
 
+@pytest.mark.parametrize("separate", [False, True])
 def test_one_step_off_policy_overlaps_sampling_with_training(
     tmp_path: Path,
     smollm2_tokenizer_dir: str,
     run_overrides: Callable[..., list[str]],
     grpo_cli: Callable[..., subprocess.CompletedProcess[str]],
+    separate: bool,
 ) -> None:
     """``rl.max_off_policy_steps=1``: batch k+1 is sampled while batch k trains, so it was sampled
     one update ago: the engine's logprobs then differ from the trainer's (the ratio against the
-    sampler's logprobs corrects it), unlike the on-policy run above where they agree."""
+    sampler's logprobs corrects it), unlike the on-policy run above where they agree. Also with the
+    engine core in a process of its own (weights through the shared buffer)."""
     _, _, records, _ = _vllm_grpo_run(
         tmp_path, smollm2_tokenizer_dir, run_overrides, grpo_cli, "offpolicy", "rl.max_steps=3",
         "rl.max_off_policy_steps=1", "rl.use_rollout_logprobs_for_loss=true", "rl.optimizer.lr=1e-2",
+        f"rollout.separate_engine_process={str(separate).lower()}",
     )  # fmt: skip
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["train/off_policy_steps"] == 1.0 and r["timer/rollout_overlapped_s"] > 0 for r in records)

@@ -154,11 +154,29 @@ def test_default_recipe_passes_preflight() -> None:
             "needs rl.grpo_surrogate=clipped",
         ),
         (["rl.resume=/nowhere/iter_5"], "rl.resume=/nowhere/iter_5"),
+        (["rollout.separate_engine_process=true"], "it needs rollout.backend=vllm (got hf)"),
+        (
+            [
+                "rollout.separate_engine_process=true",
+                "grid.backend=ray",
+                "grid.gpu_placement=disaggregated",
+                "rl.weight_sync_transport=object_store",
+            ],
+            "every rollout replica already runs apart from the policy",
+        ),
     ],
 )
 def test_forbidden_combinations_are_named(overrides: list[str], needle: str) -> None:
     errors = _errors(overrides)
     assert any(needle in e for e in errors), errors
+
+
+def test_separate_engine_process_without_off_policy_is_a_warning() -> None:
+    findings = preflight(build_config(None, ["rollout.separate_engine_process=true"]))
+    assert any("only adds inter-process traffic" in w for w in findings.warnings)
+    off_policy = ["rl.max_off_policy_steps=1", "rl.use_rollout_logprobs_for_loss=true"]
+    findings = preflight(build_config(None, ["rollout.separate_engine_process=true", *off_policy]))
+    assert not any("inter-process" in w for w in findings.warnings)
 
 
 def test_recipe_guards_warn_or_refuse() -> None:

@@ -112,21 +112,9 @@ PACKED_COMPLETIONS = [*COMPLETIONS, [2, 2, 6, 2]]  # lengths 7, 7, 5, 3, 12: row
 def test_packed_values_and_gradients_match_naive(attention: str) -> None:
     model = _model()
     model.config._attn_implementation = attention
-    weights_BT = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
-    expected = _naive_logprobs(model, PACKED_PROMPTS, PACKED_COMPLETIONS, 0.9)
-    (expected * weights_BT).sum().backward()
-    expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-
     batch = build_policy_batch(PACKED_PROMPTS, PACKED_COMPLETIONS, pad_id=0, device="cpu", pack_capacity=0)
     assert batch.input_ids_RL.shape == (3, 12)
-    got = completion_logprobs(model, batch, temperature=0.9, chunk_tokens=5)
-    assert isinstance(got, torch.Tensor)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    (got * weights_BT).sum().backward()
-    for name, param in model.named_parameters():
-        scale = max(1.0, expected_grads[name].abs().max().item())
-        assert (param.grad - expected_grads[name]).abs().max().item() <= 1e-5 * scale, name
+    _assert_matches_naive(model, PACKED_PROMPTS, PACKED_COMPLETIONS, batch, 0.9)
 
 
 def test_packing_probe_passes_transformers_models_and_fails_a_model_that_mixes_sequences() -> None:
@@ -149,32 +137,37 @@ def test_build_policy_batch_rejects_bad_rows() -> None:
         build_policy_batch([[1], [2]], [[3]], pad_id=0, device="cpu")
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("tie", [True, False])
-def test_values_and_gradients_match_naive(temperature: float, tie: bool) -> None:
-    model = _model(tie=tie)
-    weights_BT = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-
-    expected = _naive_logprobs(model, PROMPTS, COMPLETIONS, temperature)
+def _assert_matches_naive(model: LlamaForCausalLM, prompts, completions, batch, temperature: float) -> torch.Tensor:
+    """``completion_logprobs`` on ``batch`` equals the naive reference, values and gradients (of a
+    random weighting of the logprobs); returns the logprobs."""
+    weights_BT = torch.randn(len(prompts), max(map(len, completions)), generator=torch.Generator().manual_seed(1))
+    expected = _naive_logprobs(model, prompts, completions, temperature)
     (expected * weights_BT).sum().backward()
     expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
-    batch = build_policy_batch(PROMPTS, COMPLETIONS, pad_id=0, device="cpu")
-    # 5-token chunks: chunk boundaries fall inside rows, and 12 tokens leave a ragged last chunk.
+    # 5-token chunks: chunk boundaries fall inside rows, and the last chunk is ragged.
     got = completion_logprobs(model, batch, temperature=temperature, chunk_tokens=5)
     assert isinstance(got, torch.Tensor)
-    assert got.dtype == torch.float32
-    assert got.shape == (4, 6)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert (got[batch.completion_mask_BT == 0] == 0).all()
-
     (got * weights_BT).sum().backward()
     for name, param in model.named_parameters():
         # Gradients reach ~70 here, so fp32 rounding of the two summation orders is judged against
         # the tensor's scale: the largest difference must stay below 1e-5 of the largest entry.
         scale = max(1.0, expected_grads[name].abs().max().item())
         assert (param.grad - expected_grads[name]).abs().max().item() <= 1e-5 * scale, name
+    return got
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("tie", [True, False])
+def test_values_and_gradients_match_naive(temperature: float, tie: bool) -> None:
+    model = _model(tie=tie)
+    batch = build_policy_batch(PROMPTS, COMPLETIONS, pad_id=0, device="cpu")
+    got = _assert_matches_naive(model, PROMPTS, COMPLETIONS, batch, temperature)
+    assert got.dtype == torch.float32
+    assert got.shape == (4, 6)
+    assert (got[batch.completion_mask_BT == 0] == 0).all()
 
 
 def test_head_ids_return_policy_logprobs_at_those_ids() -> None:

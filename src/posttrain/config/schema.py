@@ -115,6 +115,13 @@ class RolloutConfig(_Section):
     async_scheduling: bool | None = None
     """vLLM's asynchronous scheduling (overlaps the host-side scheduling of step k+1 with the GPU
     work of step k); ``null`` keeps vLLM's default."""
+    separate_engine_process: bool = False
+    """vLLM: run the engine core (scheduler, model runner, sampler) in a process of its own instead
+    of the trainer's. Its host work then no longer takes turns with the trainer's on one GIL, which
+    is what lets ``rl.max_off_policy_steps=1`` sample the next batch while this one trains; weights
+    reach it through one buffer both processes map (shared memory; CUDA IPC on a GPU). Colocated
+    engines only. A script that calls posttrain's Python API needs an ``if __name__ ==
+    "__main__":`` guard then (the engine process may be spawned)."""
     enable_sleep_mode: bool = False
     """vLLM on a GPU: put the engine to sleep while the policy trains (its weights and KV cache leave
     GPU memory) and wake it for the next generation; ignored on CPU (docs/vllm.md)."""

