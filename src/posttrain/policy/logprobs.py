@@ -152,22 +152,24 @@ def check_packing_isolates(model: Any, *, tolerance: float = 1e-4) -> None:
     follower = torch.randint(vocab, (6,), generator=gen).tolist()
     wide = torch.randint(vocab, (12,), generator=gen).tolist()  # fills a row, so the others share one
     seen = []
-    for neighbour_seed in (1, 2):
-        neighbour = torch.randint(vocab, (6,), generator=torch.Generator().manual_seed(neighbour_seed)).tolist()
-        # first-fit decreasing puts `wide` alone in row 0 and `neighbour` (first, as listed) then
-        # `follower` in row 1
-        batch = build_policy_batch(
-            [wide[:6], neighbour[:3], follower[:3]],
-            [wide[6:], neighbour[3:], follower[3:]],
-            pad_id=0,
-            device=device,
-            pack_capacity=12,
-        )
-        was_training = model.training
-        model.eval()
-        logprobs = completion_logprobs(model, batch)
+    was_training = model.training
+    model.eval()  # no dropout: the follower's logprobs may differ only through its neighbour
+    try:
+        for neighbour_seed in (1, 2):
+            neighbour = torch.randint(vocab, (6,), generator=torch.Generator().manual_seed(neighbour_seed)).tolist()
+            # first-fit decreasing puts `wide` alone in row 0 and `neighbour` (first, as listed) then
+            # `follower` in row 1
+            batch = build_policy_batch(
+                [wide[:6], neighbour[:3], follower[:3]],
+                [wide[6:], neighbour[3:], follower[3:]],
+                pad_id=0,
+                device=device,
+                pack_capacity=12,
+            )
+            logprobs = completion_logprobs(model, batch)
+            seen.append((logprobs if isinstance(logprobs, Tensor) else logprobs[0])[2].float())
+    finally:
         model.train(was_training)
-        seen.append((logprobs if isinstance(logprobs, Tensor) else logprobs[0])[2].float())
     gap = float((seen[0] - seen[1]).abs().max())
     if not gap <= tolerance:
         raise ConfigError(
