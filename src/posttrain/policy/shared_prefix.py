@@ -29,6 +29,8 @@ class GroupedBatch:
     completion_ids_BT: Tensor
     completion_mask_BT: Tensor
     group_size: int
+    row_N: Tensor  # (row, column) of every completion token, row-major, built on the host (no sync)
+    col_N: Tensor
 
 
 def build_grouped_batch(
@@ -46,10 +48,22 @@ def build_grouped_batch(
         pmask_NP[i, width_p - len(p) :] = 1
     comp_BT = torch.full((len(completion_ids), width_t), pad_id, dtype=torch.long)
     cmask_BT = torch.zeros((len(completion_ids), width_t), dtype=torch.float32)
+    rows: list[int] = []
+    cols: list[int] = []
     for b, c in enumerate(completion_ids):
         comp_BT[b, : len(c)] = torch.tensor(c, dtype=torch.long)
         cmask_BT[b, : len(c)] = 1.0
-    return GroupedBatch(prompt_NP.to(device), pmask_NP.to(device), comp_BT.to(device), cmask_BT.to(device), group_size)
+        rows += [b] * len(c)
+        cols += range(len(c))
+    return GroupedBatch(
+        prompt_NP.to(device),
+        pmask_NP.to(device),
+        comp_BT.to(device),
+        cmask_BT.to(device),
+        group_size,
+        torch.tensor(rows, dtype=torch.long).to(device),
+        torch.tensor(cols, dtype=torch.long).to(device),
+    )
 
 
 def grouped_completion_logprobs(
@@ -87,7 +101,7 @@ def grouped_completion_logprobs(
     )
     # Token t is predicted by the state before it: the prompt's last state for t = 0.
     predict_BTH = torch.cat([last_prompt_BH[:, None], comp_out.last_hidden_state[:, :-1]], dim=1)
-    b_N, t_N = (batch.completion_mask_BT > 0).nonzero(as_tuple=True)
+    b_N, t_N = batch.row_N, batch.col_N
     hidden_NH = predict_BTH[b_N, t_N]
     ids_N1 = batch.completion_ids_BT[b_N, t_N].unsqueeze(-1)
     out_N = chunked_head_logprobs(
