@@ -36,9 +36,10 @@ class Cells:
         return self.count > 1
 
 
-def env_world_size() -> int:
-    """``WORLD_SIZE`` as torchrun (or a Ray policy actor) set it; 1 when unset."""
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+def env_world_size(environ: Mapping[str, str] | None = None) -> int:
+    """``WORLD_SIZE`` as torchrun (or a Ray policy actor) set it (in ``environ``, by default this
+    process's environment); 1 when unset."""
+    return int((os.environ if environ is None else environ).get("WORLD_SIZE", "1") or 1)
 
 
 def pin_torchrun_gpu(environ: MutableMapping[str, str] | None = None) -> str | None:
@@ -51,7 +52,7 @@ def pin_torchrun_gpu(environ: MutableMapping[str, str] | None = None) -> str | N
     entrypoint calls it before the loop is imported). Outside torchrun (no ``TORCHELASTIC_RUN_ID``),
     in one process, or when the rank already sees a single device, nothing changes."""
     env = os.environ if environ is None else environ
-    if "TORCHELASTIC_RUN_ID" not in env or int(env.get("WORLD_SIZE", "1") or 1) <= 1:
+    if "TORCHELASTIC_RUN_ID" not in env or env_world_size(env) <= 1:
         return None
     local = int(env.get("LOCAL_RANK", "0") or 0)
     visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]

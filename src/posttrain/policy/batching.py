@@ -95,6 +95,24 @@ def packed_micro_batches(lengths: list[int], size: int) -> list[list[int]]:
     return dealt if cost(dealt) < cost(runs) else runs
 
 
+def completion_grid(
+    completion_ids: list[list[int]], *, pad_id: int, width: int
+) -> tuple[Tensor, Tensor, list[int], list[int]]:
+    """The completions right-padded to ``width`` columns, on the host: ids ``[B, width]``, their mask
+    (fp32, 1 on real tokens) and the ``(row, column)`` of every real token, row-major."""
+    ids_BT = torch.full((len(completion_ids), width), pad_id, dtype=torch.long)
+    mask_BT = torch.zeros((len(completion_ids), width), dtype=torch.float32)
+    rows: list[int] = []
+    cols: list[int] = []
+    for b, completion in enumerate(completion_ids):
+        n = len(completion)
+        ids_BT[b, :n] = torch.tensor(completion, dtype=torch.long)
+        mask_BT[b, :n] = 1.0
+        rows += [b] * n
+        cols += range(n)
+    return ids_BT, mask_BT, rows, cols
+
+
 def _check_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> None:
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions; they must pair up")
@@ -119,10 +137,11 @@ def build_policy_batch(
     sequences = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     lengths = [len(s) for s in sequences]
     width = max(lengths, default=0)
-    pack = pack_capacity is not None
-    if pack_capacity is not None:
+    if pack_capacity is None:
+        layout = [[b] for b in range(len(sequences))]
+    else:
         width = max(width, pack_capacity)
-    layout = pack_rows(lengths, width) if pack else [[b] for b in range(len(sequences))]
+        layout = pack_rows(lengths, width)
     input_ids_RL = torch.full((len(layout), width), pad_id, dtype=torch.long)
     attention_mask_RL = torch.zeros((len(layout), width), dtype=torch.long)
     position_ids_RL = torch.zeros((len(layout), width), dtype=torch.long)
@@ -140,19 +159,9 @@ def build_policy_batch(
         position_ids_RL[r, col:] = torch.arange(width - col)
 
     longest = max((len(c) for c in completion_ids), default=0)
-    completion_ids_BT = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
-    completion_mask_BT = torch.zeros((len(sequences), longest), dtype=torch.float32)
-    rows: list[int] = []
-    cols: list[int] = []
-    sources: list[int] = []
-    for b, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
-        n = len(completion)
-        completion_ids_BT[b, :n] = torch.tensor(completion, dtype=torch.long)
-        completion_mask_BT[b, :n] = 1.0
-        rows += [b] * n
-        cols += range(n)
-        first = start_B[b] + len(prompt) - 1  # the prompt's last position predicts completion token 0
-        sources += range(first, first + n)
+    completion_ids_BT, completion_mask_BT, rows, cols = completion_grid(completion_ids, pad_id=pad_id, width=longest)
+    # completion token t of sequence b is predicted by the position before it (the prompt's last for t = 0)
+    sources = [start_B[b] + len(prompt_ids[b]) - 1 + t for b, t in zip(rows, cols)]
 
     def put(t: Tensor) -> Tensor:
         return t.to(device, non_blocking=True)
@@ -160,7 +169,7 @@ def build_policy_batch(
     return PolicyBatch(
         input_ids_RL=put(input_ids_RL),
         attention_mask_RL=put(attention_mask_RL),
-        position_ids_RL=put(position_ids_RL) if pack else None,
+        position_ids_RL=None if pack_capacity is None else put(position_ids_RL),
         completion_mask_BT=put(completion_mask_BT),
         completion_ids_BT=put(completion_ids_BT),
         row_N=put(torch.tensor(rows, dtype=torch.long)),

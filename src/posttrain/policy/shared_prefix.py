@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posttrain.policy.batching import completion_grid
 from posttrain.policy.logprobs import chunked_head_logprobs, split_body_and_head
 
 
@@ -46,15 +47,7 @@ def build_grouped_batch(
     for i, p in enumerate(prompt_ids):
         prompt_NP[i, width_p - len(p) :] = torch.tensor(p, dtype=torch.long)
         pmask_NP[i, width_p - len(p) :] = 1
-    comp_BT = torch.full((len(completion_ids), width_t), pad_id, dtype=torch.long)
-    cmask_BT = torch.zeros((len(completion_ids), width_t), dtype=torch.float32)
-    rows: list[int] = []
-    cols: list[int] = []
-    for b, c in enumerate(completion_ids):
-        comp_BT[b, : len(c)] = torch.tensor(c, dtype=torch.long)
-        cmask_BT[b, : len(c)] = 1.0
-        rows += [b] * len(c)
-        cols += range(len(c))
+    comp_BT, cmask_BT, rows, cols = completion_grid(completion_ids, pad_id=pad_id, width=width_t)
     return GroupedBatch(
         prompt_NP.to(device),
         pmask_NP.to(device),
