@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from posttrain.config.loading import build_config
-from posttrain.policy.distributed import cell_config, cell_rows, take_rows
+from posttrain.distributed.cells import cell_config, cell_rows, take_rows
 from posttrain.policy.trainer import PolicyTrainer, TrainBatch
 
 G = 2
@@ -118,7 +118,7 @@ def _train(model_dir: str, case: Case, mesh: Any = None) -> dict[str, Any]:
     """One ``train_on`` of the case: on the whole batch (``mesh`` None) or on this rank's cell."""
     from transformers import AutoModelForCausalLM
 
-    from posttrain.policy.distributed import full_state_dict, shard_policy
+    from posttrain.distributed.fsdp import full_state_dict, shard_policy
 
     cfg = build_config(None, [*COMMON, *case.overrides])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -137,7 +137,8 @@ def _train(model_dir: str, case: Case, mesh: Any = None) -> dict[str, Any]:
 def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
-    from posttrain.policy.distributed import DataParallel, build_dp_mesh, init_process_group
+    from posttrain.distributed.fsdp import DataParallel, build_dp_mesh
+    from posttrain.distributed.process_group import init_process_group
 
     init_process_group(init_method=f"file://{out}/store", rank=rank, world_size=world, timeout_s=60)
     try:

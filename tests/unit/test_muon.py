@@ -211,7 +211,7 @@ import os, sys, torch, torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from posttrain.launch.spmd import exit_rank_process
+from posttrain.distributed.process_group import exit_rank_process
 from posttrain.policy.muon import MuonWithAuxAdamW
 
 dist.init_process_group("gloo")

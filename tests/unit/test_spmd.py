@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from posttrain.config.loading import build_config
-from posttrain.launch.spmd import Cells, merge_rank_metrics, pin_torchrun_gpu
+from posttrain.distributed.cells import Cells
+from posttrain.distributed.process_group import pin_torchrun_gpu
+from posttrain.distributed.world import merge_rank_metrics
 from posttrain.loop.grpo import cell_groups, sampling_params
 
 
@@ -65,7 +67,7 @@ def test_pin_torchrun_gpu(env: dict[str, str], expected: str | None) -> None:
 
 _EXIT_SCRIPT = r"""
 import atexit, sys
-from posttrain.launch.spmd import exit_rank_process
+from posttrain.distributed.process_group import exit_rank_process
 atexit.register(lambda: print("FINALIZED"))
 print("buffered output", end="")
 sys.stderr.write("buffered error")

@@ -279,7 +279,7 @@ def _gather_to_rank0(
     name, on rank 0; empty on the other ranks. A collective: every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from posttrain.policy.distributed import full_state_dict
+    from posttrain.distributed.fsdp import full_state_dict
 
     weights = full_state_dict(model, to_cpu=True, rank0_only=True)
     with _quiet_dcp():

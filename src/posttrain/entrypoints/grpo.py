@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "posttrain grpo", comman
 
             train_with_ray(cfg, full_argv, command.config_class, command.train)
         else:
-            from posttrain.launch.spmd import pin_torchrun_gpu
+            from posttrain.distributed.process_group import pin_torchrun_gpu
 
             pin_torchrun_gpu()  # before the loop's import can start CUDA
             command.load("train")(cfg, argv=full_argv)
@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "posttrain grpo", comman
 
 def _leave(status: int) -> int:
     """``status`` for a single process; a rank of a multi-rank launch exits here (exit_rank_process)."""
-    from posttrain.launch.spmd import exit_rank_process
+    from posttrain.distributed.process_group import exit_rank_process
 
     return exit_rank_process(status)
 

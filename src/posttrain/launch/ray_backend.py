@@ -1,4 +1,4 @@
-"""The Ray backend (``grid.backend=ray``): the SPMD loop of ``launch/spmd.py`` run by Ray actors.
+"""The Ray backend (``grid.backend=ray``): the SPMD loop of ``posttrain.distributed`` run by Ray actors.
 
 The driver (the entry point) connects to ``grid.ray_address`` or starts a local cluster, reserves
 one placement group, and starts POLICY_RANKS policy actors. Each actor sets the torch.distributed
@@ -16,7 +16,7 @@ the ordinary loop, exactly as a torchrun process would.
   first, and a checkpoint restores each rank's stream. After each optimizer
   step every rank gathers the full weights (a collective); the lowest rank using a replica sends
   them, through the Ray object store (``rl.weight_sync_transport=object_store``) or by broadcasts in
-  a process group of the two (``nccl``: NCCL between GPUs, gloo on CPU; ``launch/weight_sync.py``),
+  a process group of the two (``nccl``: NCCL between GPUs, gloo on CPU; ``distributed/weight_sync.py``),
   and all ranks wait at a barrier, so nobody samples from a replica before its new version is stamped.
   A failed or partial transfer poisons the replica: it refuses to sample, and the run stops with a
   message to resume from the last checkpoint.
@@ -119,15 +119,15 @@ class RolloutActor:
 
     def join_sync(self, host: str, port: int, timeout_s: float) -> bool:
         """Join the owner's two-process group for collective weight sync (``nccl`` transport)."""
-        from posttrain.launch.weight_sync import pair_group
+        from posttrain.distributed.weight_sync import pair_group
 
         self.group = pair_group(host, port, 1, timeout_s=timeout_s)
         return True
 
     def receive_weights(self, meta: list[Any], version: int) -> int:
-        """Receive the owner's broadcasts (``launch/weight_sync.py``), then load them as one version.
+        """Receive the owner's broadcasts (``distributed/weight_sync.py``), then load them as one version.
         A transfer that breaks off poisons the replica: the stream between the two is out of step."""
-        from posttrain.launch.weight_sync import receive
+        from posttrain.distributed.weight_sync import receive
 
         try:
             tensors = receive(self.group, meta, self.replica.device)
@@ -145,7 +145,7 @@ class RolloutActor:
     def close(self) -> bool:
         """Release the engine (vLLM's engine core) and the weight-sync group before the driver kills
         this actor."""
-        from posttrain.launch.weight_sync import close_group
+        from posttrain.distributed.weight_sync import close_group
 
         close_group(self.group)
         self.group = None
@@ -207,7 +207,7 @@ class RolloutProxy:
         """Broadcast the weights to the replica in the two-process group (opened on first use)."""
         import ray
 
-        from posttrain.launch import weight_sync
+        from posttrain.distributed import weight_sync
 
         if self.group is None:
             host, port = ray.util.get_node_ip_address(), _free_port()
@@ -227,7 +227,7 @@ class RolloutProxy:
 
     def close(self) -> None:
         """Release this side of the weight-sync group; the driver owns the replica's lifetime."""
-        from posttrain.launch.weight_sync import close_group
+        from posttrain.distributed.weight_sync import close_group
 
         close_group(self.group)
         self.group = None

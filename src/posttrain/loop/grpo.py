@@ -8,7 +8,7 @@ Everything that varies between objectives lives in ``posttrain.algorithm`` and i
 config; the loop itself reads like the algorithm.
 
 Several policy ranks (torchrun, ``grid.shapes.policy=[1,N]``) run this same loop, one data cell each
-(``launch/spmd.py``): every rank draws the same prompts and samples and scores only its cell's whole
+(``posttrain.distributed``): every rank draws the same prompts and samples and scores only its cell's whole
 groups, trains its cell with the FSDP2-sharded policy, and refreshes its own rollout engine from the
 gathered weights; rank 0 alone writes the run directory.
 """
@@ -44,7 +44,8 @@ from posttrain.checkpoint.store import (
 from posttrain.config.schema import GRPOConfig
 from posttrain.data.base import DataSource, PromptSample
 from posttrain.data.build import build_data_source
-from posttrain.launch.spmd import Cells, close_policy_world, init_policy_world
+from posttrain.distributed.cells import Cells
+from posttrain.distributed.process_group import join_policy_world, leave_policy_world
 from posttrain.loop.dynamic_sampling import DrawFn, ScoredGroup, collect_dynamic_for, dynamic_sampling_log_line
 from posttrain.loop.pipeline import batch_source
 from posttrain.loop.run_dir import create_run_dir, job_dir, write_resolved_config
@@ -184,7 +185,7 @@ def cell_groups(cfg: GRPOConfig, cells: Cells) -> list[int]:
     """Indices of the prompt groups of one collected batch that data cell ``cells.index`` trains on:
     its slice of whole groups of every mini-batch (``cell_rows``), so the k-th optimizer step of
     every rank holds its share of the global k-th mini-batch, as in one process."""
-    from posttrain.policy.distributed import cell_rows
+    from posttrain.distributed.cells import cell_rows
 
     g = cfg.rl.group_size
     rows = cell_rows(
@@ -213,7 +214,7 @@ def dynamic_draw(cfg: GRPOConfig, roles: Roles, cells: Cells) -> DrawFn:
     g = cfg.rl.group_size
     if not cells.multi:
         return lambda counts: [split_groups(draw_groups(cfg, roles, n), g) if n else [] for n in counts]
-    from posttrain.policy.distributed import gather_objects
+    from posttrain.distributed.world import gather_objects
 
     def draw(counts: list[int]) -> list[list[ScoredGroup]]:
         total = sum(counts)
@@ -269,8 +270,7 @@ def rollout_metrics(collected: Collected, cells: Cells | None = None) -> dict[st
     truncated = [c.finish_reason == "length" for c in collected.rollout.completions]
     stats = {k: float(v) for k, v in collected.rollout.stats.items()}
     if cells is not None and cells.multi:
-        from posttrain.launch.spmd import merge_rank_metrics
-        from posttrain.policy.distributed import gather_objects
+        from posttrain.distributed.world import gather_objects, merge_rank_metrics
 
         parts = gather_objects((rewards, lengths, truncated, stats))
         rewards = torch.cat([p[0] for p in parts])
@@ -332,7 +332,7 @@ def build_engine(cfg: GRPOConfig, model: Any, tokenizer: Any, log: MetricsLogger
 def open_run_dir(cfg: GRPOConfig, argv: list[str], world: int) -> tuple[Path, MetricsLogger]:
     """The attempt's directory, provenance, resolved config and sinks. With several ranks rank 0
     creates and writes them and tells the others the path; they log nothing (``OffRankLogger``)."""
-    from posttrain.policy.distributed import broadcast_object, is_rank_zero
+    from posttrain.distributed.world import broadcast_object, is_rank_zero
 
     if world > 1 and not is_rank_zero():
         return Path(broadcast_object(None)), OffRankLogger()
@@ -363,7 +363,7 @@ def shard_for_ranks(cfg: GRPOConfig, model: Any, tokenizer: Any, log: MetricsLog
     model first (the reference is a deep copy; the transformers engine cannot sample from a sharded
     module, so it gets its own unsharded copy), then the policy is sharded with FSDP2 in place.
     Returns ``(reference, engine, cells)``."""
-    from posttrain.policy.distributed import build_dp_mesh, shard_policy
+    from posttrain.distributed.fsdp import build_dp_mesh, shard_policy
 
     reference = build_reference(model, cfg)
     remote = cfg.rollout.backend == "vllm" or cfg.grid.gpu_placement == "disaggregated"
@@ -377,7 +377,7 @@ def start_run(cfg: GRPOConfig, argv: list[str], trainer_class: type[PolicyTraine
     """Run directory, provenance, sinks, data, reward, model, engine and trainer (data and reward
     first: a malformed file or an unknown reward fails before minutes go into loading a model).
     Launched with ``WORLD_SIZE > 1`` it first joins the policy ranks' process group."""
-    world = init_policy_world(cfg)
+    world = join_policy_world(cfg)
     run_dir, log = open_run_dir(cfg, argv, world)
     seed_everything(cfg.rl.seed)
     data = build_data_source(cfg.rl.data, cfg.data_seed)
@@ -411,7 +411,8 @@ def publish_weights(run: Run, version: int) -> None:
     if not run.cells.multi and not remote:
         engine.load_weights(None, version=version)
         return
-    from posttrain.policy.distributed import any_rank, full_state_dict
+    from posttrain.distributed.fsdp import full_state_dict
+    from posttrain.distributed.world import any_rank
 
     engine.load_weights(full_state_dict(run.trainer.model, to_cpu=False, rank0_only=False), version=version)
     if remote and run.cells.multi:
@@ -526,7 +527,7 @@ def run_loop(run: Run, make_batch: MakeBatch, headline: str, close_first: Sequen
         try:
             close_engines(*close_first, run.roles.engine)
         finally:
-            close_policy_world(finished=finished)
+            leave_policy_world(finished=finished)
     if not isinstance(log, OffRankLogger):
         _finish(run.run_dir)
     return run.run_dir
@@ -551,7 +552,7 @@ def _stop_requested(stop: GracefulStop, cells: Cells) -> bool:
     """A signal on any rank stops every rank after the same step (each rank checkpoints its shards)."""
     if not cells.multi:
         return stop.requested
-    from posttrain.policy.distributed import any_rank
+    from posttrain.distributed.world import any_rank
 
     return any_rank(stop.requested)
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from posttrain.config.opd import OPDConfig
+from posttrain.distributed.world import gathered_metrics
 from posttrain.errors import ConfigError
-from posttrain.launch.spmd import gathered_metrics
 from posttrain.loop.grpo import Collected, Run, draw_cell, rollout_metrics, run_loop, start_run, to_train_batch
 from posttrain.metrics.sinks import MetricsLogger
 from posttrain.metrics.timers import StepTimer
@@ -116,7 +116,7 @@ def opd_batch(
     with timer.phase("teacher"):
         signal = signals.score(collected.rollout, [p.prompt for p in collected.prompts])
     batch, adv_metrics = opd_train_batch(cfg, collected, signal)
-    teacher_metrics = gathered_metrics({**signal.metrics, **adv_metrics}, run.cells)
+    teacher_metrics = gathered_metrics({**signal.metrics, **adv_metrics})
     return batch, {**rollout_metrics(collected, run.cells), **teacher_metrics}
 
 

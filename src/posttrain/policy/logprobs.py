@@ -16,26 +16,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from posttrain.errors import PosttrainError
+from posttrain.models.structure import split_body_and_head
 from posttrain.policy.batching import PolicyBatch
-
-
-def split_body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
-    """The decoder body (returns hidden states) and the LM head of a Hugging Face causal LM."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    body = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    if head is None or body is None:
-        raise PosttrainError(
-            f"{type(model).__name__} does not expose its decoder body and LM head (get_decoder / "
-            "get_output_embeddings); posttrain needs a Hugging Face *ForCausalLM model"
-        )
-    config = getattr(model, "config", None)
-    for knob in ("logit_scale", "logits_scaling"):
-        value = getattr(config, knob, None)
-        if value is not None and value != 1:
-            # These models rescale logits inside forward(); the chunked head would silently miss it.
-            raise PosttrainError(f"model config sets {knob}={value}, which the chunked logprob path does not apply")
-    return body, head
 
 
 def _chunk_logprobs(

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posttrain.models.structure import split_body_and_head
 from posttrain.policy.batching import completion_grid
-from posttrain.policy.logprobs import chunked_head_logprobs, split_body_and_head
+from posttrain.policy.logprobs import chunked_head_logprobs
 
 
 @dataclass

@@ -17,6 +17,8 @@ from torch import nn
 
 from posttrain.algorithm.objectives import LossInputs, LossNormalizer, LossStats, ObjectiveSpec, policy_loss
 from posttrain.config.schema import GRPOConfig
+from posttrain.distributed.cells import cell_config
+from posttrain.distributed.fsdp import DataParallel, first_nonfinite
 from posttrain.errors import PosttrainError, TrainingError
 from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_micro_batches
 from posttrain.policy.logprobs import check_packing_isolates, completion_logprobs
@@ -104,7 +106,7 @@ def build_reference(policy: nn.Module, cfg: GRPOConfig) -> nn.Module | None:
 def compile_layers(model: nn.Module) -> None:
     """``torch.compile`` every decoder layer in place (``model.compile``), with dynamic shapes so that
     changing batch and sequence sizes do not recompile each step."""
-    from posttrain.policy.logprobs import split_body_and_head
+    from posttrain.models.structure import split_body_and_head
 
     body, _ = split_body_and_head(model)
     layers = getattr(body, "layers", None)
@@ -136,14 +138,11 @@ class PolicyTrainer:
     """Owns the optimizer and performs the updates of one collected batch."""
 
     def __init__(self, model: nn.Module, cfg: GRPOConfig, *, pad_id: int, ref_model: nn.Module | None = None):
-        from posttrain.policy.distributed import DataParallel, cell_config
-
-        # An FSDP2-sharded policy (policy.distributed.shard_policy): this rank trains one data cell
+        # An FSDP2-sharded policy (distributed.fsdp.shard_policy): this rank trains one data cell
         # (its batch sizes are the cell's) and reduces counts, norms and metrics over all policy
-        # ranks. None for a plain model: the single-process path below is unchanged.
+        # ranks. A plain model gets SingleProcess, whose reductions are the identity.
         self.dp = DataParallel.of(model)
-        if self.dp is not None:
-            cfg = cell_config(cfg, self.dp.size)
+        cfg = cell_config(cfg, self.dp.size)
         self.model = model
         self.cfg = cfg
         self.pad_id = pad_id
@@ -186,8 +185,7 @@ class PolicyTrainer:
                 [sum(len(p) for p in batch.prompt_ids), sum(len(c) for c in batch.completion_ids)],
                 dtype=torch.float64,
             )
-            if self.dp is not None:
-                lengths = self.dp.sum(lengths)
+            lengths = self.dp.sum(lengths)
             self._share = bool(lengths[0] >= lengths[1])
         return self._share
 
@@ -357,8 +355,7 @@ class PolicyTrainer:
     # -- the update ----------------------------------------------------------------------------
     def train_on(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """All optimizer steps of one collected batch; returns the batch's training metrics."""
-        if self.dp is not None:
-            self.dp.check_cells(len(batch.completion_ids))  # unequal cells would desync the collectives
+        self.dp.check_cells(len(batch.completion_ids))  # unequal cells would desync the collectives
         self._decide_sharing(batch)
         old = self._old_logprobs(batch)
         probe = old is not None and not self.cfg.rl.use_rollout_logprobs_for_loss
@@ -371,8 +368,7 @@ class PolicyTrainer:
                 [len(batch.completion_ids[i]) for i in mini], dtype=torch.float32, device=self.device
             )
             norm = LossNormalizer(num_tokens=(lengths * in_loss).sum(), num_seqs=in_loss.sum())
-            if self.dp is not None:
-                norm = self.dp.global_normalizer(norm)  # counts of the whole step, all ranks
+            norm = self.dp.global_normalizer(norm)  # counts of the whole step, all ranks
             loss_sum = torch.zeros((), device=self.device)
             for rows in self._micro_batches(batch, mini):
                 pb = self._model_batch(batch, rows)
@@ -387,7 +383,7 @@ class PolicyTrainer:
             grad_norms.append(self._optimizer_step(step))
             losses.append(loss_sum)
         self.model.eval()
-        if self.dp is not None and totals is not None:
+        if totals is not None:
             totals = self.dp.merge_stats(totals)
             losses = list(self.dp.sum(torch.stack(losses)))  # each rank's loss is its share of the step's
         metrics = {k: float(v) for k, v in (totals.to_metrics() if totals else {}).items()}
@@ -402,14 +398,9 @@ class PolicyTrainer:
         """Clip, check, step. A non-finite gradient or update is fatal; an exactly-zero one is skipped."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.cfg.rl.optimizer.grad_clip_norm or float("inf")
-        if self.dp is None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # one host sync per step
-        else:
-            # the global norm, the same float on every rank: the skip and abort below agree everywhere
-            grad_norm = self.dp.clip_grad_norm(params, max_norm)
+        # the global norm, the same float on every rank: the skip and abort below agree everywhere
+        grad_norm = self.dp.clip_grad_norm(params, max_norm)
         if not torch.isfinite(torch.tensor(grad_norm)):
-            from posttrain.policy.distributed import first_nonfinite  # error path only
-
             bad = first_nonfinite([(self._param_names[id(p)], p.grad) for p in params])
             raise TrainingError(
                 f"step {step}: non-finite gradient (grad_norm={grad_norm}) first seen in parameter {bad}; "
@@ -420,20 +411,14 @@ class PolicyTrainer:
             self.zero_grad_skips_total += 1
             self.optimizer.zero_grad(set_to_none=True)
             return grad_norm
-        if self.dp is not None:
-            self.dp.reshard(self.model)  # no gathered copy may outlive the shards it was gathered from
+        self.dp.reshard(self.model)  # no gathered copy may outlive the shards it was gathered from
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.optimizer_step += 1
         weights = list[torch.Tensor](params)
-        if self.dp is None:
-            finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(weights))).all())
-        else:
-            finite = self.dp.all_finite(weights)  # one verdict for all ranks, or some would step on
+        finite = self.dp.all_finite(weights)  # one verdict for all ranks, or some would step on
         if not finite:
-            from posttrain.policy.distributed import first_nonfinite  # error path only
-
             bad = first_nonfinite([(self._param_names[id(p)], p) for p in params])
             raise TrainingError(
                 f"step {step}: the optimizer step produced non-finite weights in parameter {bad} "

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from posttrain.models.structure import split_body_and_head
 from posttrain.policy.batching import build_policy_batch
-from posttrain.policy.logprobs import completion_hidden_states, split_body_and_head
+from posttrain.policy.logprobs import completion_hidden_states
 from posttrain.teacher.base import ScoreRequest, SequenceScores, check_requests
 
 

@@ -1,11 +1,13 @@
-"""The SPMD policy world: every policy rank runs the same loop on its own data cell.
+"""Joining and leaving the policy ranks' process group (torchrun's, or one that Ray's actors form).
+
+Every policy rank runs the same loop on its own data cell.
 
 Under ``torchrun --nproc-per-node N`` (``grid.backend=local``, ``grid.shapes.policy=[1,N]``) each
 process is one policy rank and one data cell. The loop is the single-process loop with four
-differences, all decided here or in ``loop/grpo.py``:
+differences, all decided in this package (``world``, ``cells``, ``fsdp``):
 
 * the process group is joined from torchrun's environment before anything else
-  (``init_policy_world``; gloo on CPU, NCCL on CUDA, ``grid.collective_timeout_s`` on every collective);
+  (``join_policy_world``; gloo on CPU, NCCL on CUDA, ``grid.collective_timeout_s`` on every collective);
 * every rank draws the SAME prompts (one data source per rank, same seed, so the cursors never
   differ) and samples and scores only its cell's whole groups;
 * the rollout engine of each rank holds its own unsharded copy of the policy, refreshed from the
@@ -17,23 +19,46 @@ differences, all decided here or in ``loop/grpo.py``:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, MutableMapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from posttrain.config.schema import GRPOConfig
 
+# A collective that has not finished after this long raises instead of hanging the run (a crashed
+# or desynchronised peer). Generous: the first all-gather of a large model includes its warm-up.
+DEFAULT_TIMEOUT_S = 600.0
 
-@dataclass(frozen=True)
-class Cells:
-    """This process's data cell: ``index`` of ``count`` policy ranks (cell 0 of 1 in one process)."""
 
-    index: int = 0
-    count: int = 1
+def init_process_group(
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    backend: str | None = None,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> None:
+    """Join the default process group: NCCL on CUDA, gloo on the CPU, with a timeout on every collective.
 
-    @property
-    def multi(self) -> bool:
-        """Whether several policy ranks share the step (every helper below is then a collective)."""
-        return self.count > 1
+    Without ``init_method`` / ``rank`` / ``world_size`` it reads torchrun's environment (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). On CUDA each process uses the GPU ``LOCAL_RANK``
+    of those it sees (``cuda:0`` when it sees one: ``pin_torchrun_gpu`` and Ray's actors do that).
+    A second call is a no-op.
+    """
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    if rank is not None and world_size is not None:
+        kwargs.update(rank=rank, world_size=world_size)
+    dist.init_process_group(backend, **kwargs)
 
 
 def env_world_size(environ: Mapping[str, str] | None = None) -> int:
@@ -68,7 +93,7 @@ def pin_torchrun_gpu(environ: MutableMapping[str, str] | None = None) -> str | N
     return choice
 
 
-def init_policy_world(cfg: GRPOConfig) -> int:
+def join_policy_world(cfg: GRPOConfig) -> int:
     """Join the process group when launched with ``WORLD_SIZE > 1``; returns the world size.
 
     A no-op in a single process (no group is created, so every single-process code path is the
@@ -76,7 +101,7 @@ def init_policy_world(cfg: GRPOConfig) -> int:
     """
     world = env_world_size()
     if world > 1:
-        from posttrain.policy.distributed import RankFilter, init_process_group
+        from posttrain.distributed.world import RankFilter
 
         init_process_group(timeout_s=cfg.grid.collective_timeout_s)
         import logging
@@ -86,15 +111,13 @@ def init_policy_world(cfg: GRPOConfig) -> int:
     return world
 
 
-def close_policy_world(*, finished: bool = False) -> None:
+def leave_policy_world(*, finished: bool = False) -> None:
     """Leave the process group (end of a multi-rank run); nothing to do in one process.
 
     After a run that ``finished`` every rank first meets the others: a rank that tore its group down
     while a peer was still in the last collective would abort that peer (gloo ends it with
     "terminate called without an active exception"). After a failure there is no meeting: the
     failed peer would never arrive."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         if finished:
             dist.barrier()
@@ -123,35 +146,3 @@ def exit_rank_process(status: int) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
-
-
-def _merge_one(key: str, values: Sequence[float]) -> float:
-    """One metric over the ranks, by what its name says it measures."""
-    if key.endswith("_max"):
-        return max(values)
-    if key.endswith("_min"):
-        return min(values)
-    if key.endswith(("_per_s", "_count", "_tokens", "_sequences")):
-        return float(sum(values))  # throughputs and counts add up over the ranks
-    if key.endswith("_s"):
-        return max(values)  # wall time of a phase: the slowest rank's
-    return sum(values) / len(values)  # a per-cell mean: cells are equal in trajectories
-
-
-def merge_rank_metrics(frames: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Per-rank metric dicts combined into one: sums for counts and throughputs, max for maxima and
-    wall times, min for minima, the mean over ranks for everything else. A key missing on a rank
-    is merged over the ranks that have it."""
-    keys: list[str] = []
-    for frame in frames:
-        keys += [k for k in frame if k not in keys]
-    return {k: _merge_one(k, [float(f[k]) for f in frames if k in f]) for k in keys}
-
-
-def gathered_metrics(metrics: Mapping[str, float], cells: Cells) -> dict[str, float]:
-    """``metrics`` merged over every policy rank (a collective when ``cells.multi``)."""
-    if not cells.multi:
-        return dict(metrics)
-    from posttrain.policy.distributed import gather_objects
-
-    return merge_rank_metrics(gather_objects(dict(metrics)))

@@ -1,4 +1,4 @@
-"""FSDP2 policy ranks: the process group, the sharded model, DP-global reductions and data cells.
+"""FSDP2 policy ranks: the device mesh, the sharded model, DP-global reductions, full weights.
 
 The policy trains as ``POLICY_RANKS`` processes over one data-parallel device mesh, ``dp_shard``
 ranks wide (FSDP: parameters, gradients and optimizer state sharded) and ``dp_replicate`` deep
@@ -14,17 +14,13 @@ Three things make it so:
 * every decision taken from a reduction (clip coefficient, zero-gradient skip, non-finite abort)
   comes from a value that is identical on every rank, so no rank steps while another does not.
 
-Nothing here is used, and nothing changes, when the policy's parameters are plain tensors (one
-process, no FSDP): ``DataParallel.of`` returns None and the trainer keeps its single-process path.
+In one process the policy's parameters are plain tensors and ``DataParallel.of`` returns
+``SingleProcess``: the same reductions, each of them the identity, so the trainer has one path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
-from datetime import timedelta
-from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,46 +30,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from posttrain.algorithm.objectives import LossNormalizer, LossStats
-from posttrain.config.schema import GRPOConfig
 from posttrain.errors import ConfigError, PosttrainError, TrainingError
-from posttrain.policy.logprobs import split_body_and_head
-
-# A collective that has not finished after this long raises instead of hanging the run (a crashed
-# or desynchronised peer). Generous: the first all-gather of a large model includes its warm-up.
-DEFAULT_TIMEOUT_S = 600.0
-
-BatchT = TypeVar("BatchT")
-
-
-# -- process group and mesh ---------------------------------------------------------------------
-
-
-def init_process_group(
-    *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    backend: str | None = None,
-    init_method: str | None = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-) -> None:
-    """Join the default process group: NCCL on CUDA, gloo on the CPU, with a timeout on every collective.
-
-    Without ``init_method`` / ``rank`` / ``world_size`` it reads torchrun's environment (``RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). On CUDA each process uses the GPU ``LOCAL_RANK``
-    of those it sees (``cuda:0`` when it sees one: ``pin_torchrun_gpu`` and Ray's actors do that).
-    A second call is a no-op.
-    """
-    if dist.is_initialized():
-        return
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
-    if init_method is not None:
-        kwargs["init_method"] = init_method
-    if rank is not None and world_size is not None:
-        kwargs.update(rank=rank, world_size=world_size)
-    dist.init_process_group(backend, **kwargs)
+from posttrain.models.structure import split_body_and_head
 
 
 def build_dp_mesh(dp_replicate: int = 1, dp_shard: int | None = None) -> DeviceMesh:
@@ -151,7 +109,7 @@ def shard_policy(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisio
         # A parameter outside every unit would keep a rank-local gradient: the ranks would diverge.
         raise PosttrainError(f"FSDP2 left parameters unsharded (outside the decoder body and LM head): {plain[:4]}")
     dp = DataParallel.of(model)
-    if dp is None:  # unreachable after the check above; narrows the type
+    if not isinstance(dp, DataParallel):  # unreachable after the check above; narrows the type
         raise PosttrainError("sharding produced no DTensor parameters")
     return dp
 
@@ -185,11 +143,11 @@ class DataParallel:
 
     mesh: DeviceMesh
 
-    @classmethod
-    def of(cls, model: nn.Module) -> DataParallel | None:
-        """The mesh ``model`` is sharded over; None for a plain (single-process) model."""
+    @staticmethod
+    def of(model: nn.Module) -> DataParallel | SingleProcess:
+        """The mesh ``model`` is sharded over; ``SingleProcess`` for a plain (unsharded) model."""
         first = next(model.parameters(), None)
-        return cls(first.device_mesh) if isinstance(first, DTensor) else None
+        return DataParallel(first.device_mesh) if isinstance(first, DTensor) else SingleProcess()
 
     @property
     def size(self) -> int:
@@ -293,6 +251,39 @@ class DataParallel:
                 module.reshard()
 
 
+class SingleProcess:
+    """``DataParallel``'s reductions for an unsharded policy in one process: each is the identity
+    (or the plain local computation), so the trainer runs one path for any number of ranks."""
+
+    size = 1
+    cell = 0
+
+    def check_cells(self, rows: int) -> None:
+        """One cell: nothing to compare."""
+
+    def global_normalizer(self, norm: LossNormalizer) -> LossNormalizer:
+        return norm
+
+    def sum(self, tensor: Tensor) -> Tensor:
+        return tensor
+
+    def merge_stats(self, stats: LossStats) -> LossStats:
+        return stats
+
+    @staticmethod
+    def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+        """Clip to the gradient norm and return it (one host sync per step)."""
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    @staticmethod
+    def all_finite(tensors: list[Tensor]) -> bool:
+        return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all())
+
+    @staticmethod
+    def reshard(model: nn.Module) -> None:
+        """No gathered copies exist without FSDP."""
+
+
 # -- full weights (weight sync, export) --------------------------------------------------------
 
 
@@ -316,134 +307,22 @@ def full_state_dict(model: nn.Module, *, to_cpu: bool = True, rank0_only: bool =
     return out
 
 
-# -- data cells ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PolicyWeights:
+    """The policy's current weights as a rollout engine receives them (``RolloutEngine.receive_weights``).
 
-
-def cell_rows(num_rows: int, *, group_size: int, mini_batch: int, cell: int, cells: int) -> list[int]:
-    """Rows of the collected batch that data cell ``cell`` of ``cells`` trains on.
-
-    Each mini-batch (optimizer step) is split into ``cells`` contiguous slices of whole groups, and
-    the cell takes its slice of every mini-batch in order. With one mini-batch per collected batch
-    this is simply "cell r gets the r-th contiguous slice of groups"; with several, the cell's k-th
-    local mini-batch is its slice of the global k-th, so the optimizer steps match one process.
-    Uneven cells are refused, not padded: every rank must run the same micro-batches (collectives),
-    and the preflight refuses configs whose mini-batch groups do not divide over the policy ranks.
+    An engine that samples with the policy module itself (the transformers engine in one process)
+    asks ``shares(its_module)`` and has nothing to copy; every other engine takes
+    ``full_state_dict()``: the module's own tensors when it is unsharded, the gathered full tensors
+    when it is FSDP2-sharded (then a collective: every policy rank's engine calls it, in step).
     """
-    if not 0 <= cell < cells:
-        raise ValueError(f"cell={cell} is outside the {cells} data cells")
-    rows: list[int] = []
-    for start in range(0, num_rows, mini_batch):
-        size = min(mini_batch, num_rows - start)
-        if size % (group_size * cells):
-            raise ValueError(
-                f"a mini-batch of {size} trajectories is not {cells} equal slices of whole groups of "
-                f"{group_size}: rl.mini_batch_per_replica (or rl.batch_per_replica) must be a multiple of "
-                f"rl.group_size x POLICY_RANKS = {group_size * cells}"
-            )
-        per_cell = size // cells
-        rows.extend(range(start + cell * per_cell, start + (cell + 1) * per_cell))
-    return rows
 
+    module: nn.Module
 
-def take_rows(batch: BatchT, rows: list[int]) -> BatchT:
-    """A copy of the dataclass ``batch`` (a ``TrainBatch``: ``completion_ids`` counts its rows) holding
-    only ``rows``.
+    def shares(self, module: nn.Module) -> bool:
+        """Whether ``module`` is the (unsharded) policy module itself."""
+        return module is self.module
 
-    Every list or tensor field is per trajectory and is indexed; other fields (``group_size``,
-    None) are kept. A list or tensor of another length is an error, never silently kept whole.
-    """
-    if not dataclasses.is_dataclass(batch) or isinstance(batch, type):
-        raise TypeError(f"take_rows needs a dataclass instance, got {type(batch).__name__}")
-    n = len(batch.completion_ids)  # type: ignore[attr-defined]
-    index = torch.tensor(rows, dtype=torch.long)
-    picked: dict[str, Any] = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, (list, Tensor)):
-            if len(value) != n:
-                raise ValueError(f"{type(batch).__name__}.{f.name} has {len(value)} rows, expected {n}")
-            picked[f.name] = value[index.to(value.device)] if isinstance(value, Tensor) else [value[i] for i in rows]
-    return dataclasses.replace(batch, **picked)
-
-
-def cell_config(cfg: GRPOConfig, cells: int) -> GRPOConfig:
-    """The config as one data cell sees it: ``rl.batch_per_replica`` and ``rl.mini_batch_per_replica``
-    divided by ``cells`` (the number of optimizer steps, ``n_mini``, is unchanged).
-    ``rl.micro_batch_per_replica`` is per rank already and stays."""
-    rl = cfg.rl
-    if rl.batch_per_replica % cells or rl.mini_batch % cells:
-        raise ConfigError(
-            [
-                f"rl.batch_per_replica={rl.batch_per_replica} and the mini-batch ({rl.mini_batch}) must divide "
-                f"evenly over the {cells} data cells (policy ranks)"
-            ]
-        )
-    update: dict[str, Any] = {"batch_per_replica": rl.batch_per_replica // cells}
-    if rl.mini_batch_per_replica is not None:
-        update["mini_batch_per_replica"] = rl.mini_batch_per_replica // cells
-    return cfg.model_copy(update={"rl": rl.model_copy(update=update)})
-
-
-# -- small collectives over the default group (run-level coordination, not training) -------------
-
-
-def gather_objects(obj: Any) -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order (``[obj]`` without a process group). A collective."""
-    _, world = rank_and_world()
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_object(obj: Any) -> Any:
-    """Rank 0's picklable ``obj`` on every rank (``obj`` itself without a process group). A collective."""
-    _, world = rank_and_world()
-    if world == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on any rank (a stop request, a failure). A collective."""
-    _, world = rank_and_world()
-    if world == 1:
-        return flag
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t[0] > 0)
-
-
-# -- rank-aware logging -------------------------------------------------------------------------
-
-
-def rank_and_world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the default group; ``(0, 1)`` without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def is_rank_zero() -> bool:
-    """True on the rank that writes run files and console lines (and in a single process)."""
-    return rank_and_world()[0] == 0
-
-
-class RankFilter(logging.Filter):
-    """Tags records with ``[rank r/w]`` in a multi-rank run and drops those below ``min_level_off_zero``
-    on ranks other than 0, so N ranks do not print N copies of every info line."""
-
-    def __init__(self, min_level_off_zero: int = logging.WARNING) -> None:
-        super().__init__()
-        self.min_level_off_zero = min_level_off_zero
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        rank, world = rank_and_world()
-        if world > 1 and not getattr(record, "rank_tagged", False):
-            record.msg = f"[rank {rank}/{world}] {record.msg}"
-            record.rank_tagged = True  # a record passing several filtered handlers is tagged once
-        return rank == 0 or record.levelno >= self.min_level_off_zero
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The policy's whole ``state_dict`` on its device (see ``full_state_dict``)."""
+        return full_state_dict(self.module, to_cpu=False, rank0_only=False)

@@ -1,0 +1,31 @@
+"""Where the parts of a Hugging Face causal LM are: its decoder body and its LM head.
+
+The trainer, the FSDP2 sharding and the transformers teacher all run the body and the head apart
+(chunked logprobs, one FSDP unit per part), so they find them the same way, here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from posttrain.errors import PosttrainError
+
+
+def split_body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
+    """The decoder body (returns hidden states) and the LM head of a Hugging Face causal LM."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    body = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if head is None or body is None:
+        raise PosttrainError(
+            f"{type(model).__name__} does not expose its decoder body and LM head (get_decoder / "
+            "get_output_embeddings); posttrain needs a Hugging Face *ForCausalLM model"
+        )
+    config = getattr(model, "config", None)
+    for knob in ("logit_scale", "logits_scaling"):
+        value = getattr(config, knob, None)
+        if value is not None and value != 1:
+            # These models rescale logits inside forward(); the chunked head would silently miss it.
+            raise PosttrainError(f"model config sets {knob}={value}, which the chunked logprob path does not apply")
+    return body, head
