@@ -11,13 +11,13 @@ import torch
 
 from posttrain.config.opd import OPDConfig
 from posttrain.data.base import PromptSample
-from posttrain.loop.grpo import Collected
+from posttrain.loop.collect import Collected
 from posttrain.loop.opd import opd_train_batch
 from posttrain.rollout.base import Completion, RolloutBatch
 from posttrain.teacher.base import ScoreRequest, SequenceScores, TeacherError
 from posttrain.teacher.hf_teacher import HFTeacher
 from posttrain.teacher.render import render_teacher_prefix
-from posttrain.teacher.signals import TeacherSignal, TeacherSignals
+from posttrain.teacher.scoring import TeacherSignal, TeacherSignals
 
 
 @pytest.fixture(scope="module")

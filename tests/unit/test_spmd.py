@@ -5,10 +5,15 @@ from __future__ import annotations
 import pytest
 
 from posttrain.config.loading import build_config
-from posttrain.distributed.cells import Cells
+from posttrain.distributed.cells import Cells, cell_group_indices
 from posttrain.distributed.process_group import pin_torchrun_gpu
 from posttrain.distributed.world import merge_rank_metrics
-from posttrain.loop.grpo import cell_groups, sampling_params
+from posttrain.loop.collect import sampling_params
+
+
+def cell_groups(cfg, cells):
+    rl = cfg.rl
+    return cell_group_indices(rl.batch_per_replica, group_size=rl.group_size, mini_batch=rl.mini_batch, cells=cells)
 
 
 def test_cell_groups_are_the_cells_slice_of_every_mini_batch() -> None:

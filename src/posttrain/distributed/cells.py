@@ -96,3 +96,14 @@ def cell_config(cfg: GRPOConfig, cells: int) -> GRPOConfig:
     if rl.mini_batch_per_replica is not None:
         update["mini_batch_per_replica"] = rl.mini_batch_per_replica // cells
     return cfg.model_copy(update={"rl": rl.model_copy(update=update)})
+
+
+def cell_group_indices(num_rows: int, *, group_size: int, mini_batch: int, cells: Cells) -> list[int]:
+    """Indices of the prompt groups of one collected batch of ``num_rows`` trajectories that data cell
+    ``cells.index`` trains on: its slice of whole groups of every mini-batch (``cell_rows``), so the
+    k-th optimizer step of every rank holds its share of the global k-th mini-batch, as in one
+    process. One cell holds every group, in order (its mini-batches need not be whole groups)."""
+    if cells.count == 1:
+        return list(range(num_rows // group_size))
+    rows = cell_rows(num_rows, group_size=group_size, mini_batch=mini_batch, cell=cells.index, cells=cells.count)
+    return [row // group_size for row in rows[::group_size]]

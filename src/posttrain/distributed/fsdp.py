@@ -287,6 +287,12 @@ class SingleProcess:
 # -- full weights (weight sync, export) --------------------------------------------------------
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters is a DTensor (an FSDP2-sharded policy): its full state
+    exists only through collectives, which every rank must call in step."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def full_state_dict(model: nn.Module, *, to_cpu: bool = True, rank0_only: bool = True) -> dict[str, Tensor]:
     """The unsharded ``state_dict`` of a (possibly FSDP2-sharded) model.
 
@@ -326,3 +332,19 @@ class PolicyWeights:
     def full_state_dict(self) -> dict[str, Tensor]:
         """The policy's whole ``state_dict`` on its device (see ``full_state_dict``)."""
         return full_state_dict(self.module, to_cpu=False, rank0_only=False)
+
+
+def will_shard_policy() -> bool:
+    """Whether the policy is about to be sharded over several ranks (``shard_for_world``): what is
+    built from the whole model first (a rollout engine's own copy) must then not share its module."""
+    from posttrain.distributed.world import rank_and_world
+
+    return rank_and_world()[1] > 1
+
+
+def shard_for_world(model: nn.Module, dp_replicate: int, dp_shard: int | None) -> DataParallel | SingleProcess:
+    """FSDP2 over the policy ranks' mesh when the run has several (``shard_policy``); the model as it
+    is, with ``SingleProcess`` reductions, in one process."""
+    if not will_shard_policy():
+        return SingleProcess()
+    return shard_policy(model, build_dp_mesh(dp_replicate, dp_shard))

@@ -6,13 +6,13 @@
                advantage: clipped surrogate with A(t) = A_reward + kl_penalty_coef * A_teacher(t)
             -> weights to rollout -> one metrics frame
 
-The teacher is frozen and has no weight-sync edge. Everything else (run directory, checkpoints,
-resume, signals, metrics) is the GRPO loop's (``loop/grpo.py``).
+The teacher is frozen and has no weight-sync edge (``teacher/factory.py`` builds it). Batches are
+drawn as GRPO draws them without dynamic sampling (``loop/collect.py``); the run around them
+(directory, checkpoints, resume, signals, metrics) is ``loop/run.py``.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,65 +20,13 @@ import torch
 
 from posttrain.config.opd import OPDConfig
 from posttrain.distributed.world import gathered_metrics
-from posttrain.errors import ConfigError
-from posttrain.loop.grpo import Collected, Run, draw_cell, rollout_metrics, run_loop, start_run, to_train_batch
-from posttrain.metrics.sinks import MetricsLogger
+from posttrain.loop.collect import Collected, draw_cell, rollout_metrics, to_train_batch
+from posttrain.loop.run import Run, run_loop, start_run
 from posttrain.metrics.timers import StepTimer
-from posttrain.models.loading import load_model_and_tokenizer, load_tokenizer, resolve_model_path
 from posttrain.policy.distill_trainer import DistillationTrainer
 from posttrain.policy.trainer import PolicyTrainer, TrainBatch
-from posttrain.teacher.base import Teacher
-from posttrain.teacher.hf_teacher import HFTeacher
-from posttrain.teacher.signals import TeacherSignal, TeacherSignals
-
-
-def check_shared_vocabulary(cfg: OPDConfig) -> None:
-    """A same-vocabulary teacher must tokenize exactly like the student: its top-k ids and its scores
-    of the student's ids mean nothing otherwise. Checked before either model loads."""
-    if cfg.rl.teacher.input_mode != "shared_vocab" or cfg.rl.teacher.name_or_path is None:
-        return
-    student = load_tokenizer(resolve_model_path(cfg.model.name_or_path))
-    teacher = load_tokenizer(resolve_model_path(cfg.rl.teacher.name_or_path))
-    if student.get_vocab() != teacher.get_vocab():
-        raise ConfigError(
-            [
-                f"rl.teacher.input_mode=shared_vocab but the teacher's tokenizer ({len(teacher)} tokens) differs from "
-                f"the student's ({len(student)} tokens); use input_mode=cross_token_text with signal_mode=dpca"
-            ]
-        )
-
-
-def build_teacher(cfg: OPDConfig, log: MetricsLogger) -> Teacher:
-    """The frozen teacher on the configured scoring engine."""
-    t = cfg.rl.teacher
-    if t.name_or_path is None:  # refused by the preflight; narrows the type
-        raise ConfigError(["rl.teacher.name_or_path is required"])
-    started = time.perf_counter()
-    teacher: Teacher
-    if t.backend == "vllm":
-        from posttrain.teacher.vllm_teacher import VLLMTeacher
-
-        teacher = VLLMTeacher(
-            resolve_model_path(t.name_or_path),
-            gpu_memory_utilization=t.gpu_memory_utilization,
-            tensor_parallel_size=t.tensor_parallel_size,
-            max_model_len=t.max_model_len,
-            tokenizer=load_tokenizer(resolve_model_path(t.name_or_path)),
-        )
-    else:
-        model, tokenizer = load_model_and_tokenizer(cfg.model.model_copy(update={"name_or_path": t.name_or_path}))
-        teacher = HFTeacher(
-            model,
-            tokenizer,
-            batch_size=t.batch_size,
-            chunk_tokens=cfg.model.logprob_chunk_tokens,
-            max_model_len=t.max_model_len,
-        )
-    log.info(
-        f"teacher {t.name_or_path} ({t.backend}, {t.input_mode}/{t.signal_mode}) ready in "
-        f"{time.perf_counter() - started:.1f}s"
-    )
-    return teacher
+from posttrain.teacher.factory import build_teacher
+from posttrain.teacher.scoring import TeacherSignal, TeacherSignals
 
 
 def opd_train_batch(cfg: OPDConfig, collected: Collected, signal: TeacherSignal) -> tuple[TrainBatch, dict[str, float]]:
@@ -117,11 +65,13 @@ def opd_batch(
         signal = signals.score(collected.rollout, [p.prompt for p in collected.prompts])
     batch, adv_metrics = opd_train_batch(cfg, collected, signal)
     teacher_metrics = gathered_metrics({**signal.metrics, **adv_metrics})
-    return batch, {**rollout_metrics(collected, run.cells), **teacher_metrics}
+    return batch, {**rollout_metrics(collected), **teacher_metrics}
 
 
 def train(cfg: OPDConfig, argv: list[str] | None = None) -> Path:
     """Run on-policy distillation as configured; returns the run directory."""
+    from posttrain.preflight.opd import check_shared_vocabulary
+
     check_shared_vocabulary(cfg)
     trainer_class: type[PolicyTrainer] = DistillationTrainer if cfg.rl.distillation_mode == "direct" else PolicyTrainer
     run = start_run(cfg, argv or [], trainer_class)

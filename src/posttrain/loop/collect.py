@@ -1,0 +1,225 @@
+"""One collected batch: prompts -> rollout -> rewards -> group advantages -> the trainer's batch.
+
+    prompts (data source) -> rollout engine (``group_size`` samples each) -> reward per completion
+            -> group advantages (whole groups, before any masking) -> [dynamic sampling] -> TrainBatch
+
+With several policy ranks each rank draws the step's prompts (the same ones: same data source,
+same seed) and samples and scores only its data cell's whole groups; the cell is one slice of
+every mini-batch (``distributed.cells``). In one process the cell is the whole batch. Rollout
+metrics are always those of the whole batch (gathered over the ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from posttrain.algorithm.advantages import group_advantages, group_reward_spread, informative_groups
+from posttrain.config.schema import GRPOConfig
+from posttrain.data.base import DataSource, PromptSample
+from posttrain.distributed.cells import Cells, cell_group_indices
+from posttrain.distributed.world import gather_objects, merge_rank_metrics
+from posttrain.loop.dynamic_sampling import DrawFn, ScoredGroup, collect_dynamic_for
+from posttrain.models.chat import render_prompt_ids
+from posttrain.policy.trainer import TrainBatch
+from posttrain.rewards.base import Reward, RewardInput
+from posttrain.rewards.registry import score_completions
+from posttrain.rollout.base import Completion, RolloutBatch, RolloutEngine, SamplingParams
+
+
+@dataclass
+class Collected:
+    """One collected batch: prompts, their rollouts, rewards and advantages."""
+
+    prompts: list[PromptSample]
+    rollout: RolloutBatch
+    rewards_NG: torch.Tensor
+    advantages_NG: torch.Tensor
+
+
+@dataclass
+class Roles:
+    """What collecting a batch needs: the prompt source, the rollout engine, the reward, the tokenizer."""
+
+    data: DataSource
+    engine: RolloutEngine
+    reward: Reward
+    tokenizer: Any
+
+
+def sampling_params(cfg: GRPOConfig, cell: int = 0) -> SamplingParams:
+    """The rollout section as engine sampling controls; score centering asks for the sampler's
+    top-k head per generated token. Data cell ``c`` samples with ``rollout.seed + c``, so the cells'
+    engines draw independent streams (cell 0, and a single process, use the seed itself)."""
+    ro, sc = cfg.rollout, cfg.rl.score_centering
+    return SamplingParams(
+        max_tokens=ro.max_tokens,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=ro.top_k,
+        repetition_penalty=ro.repetition_penalty,
+        seed=None if ro.seed is None else ro.seed + cell,
+        sampler_logprobs_every=ro.sampler_logprobs_every,
+        logprobs_topk=sc.top_k if sc.enabled else 0,
+    )
+
+
+def sample_and_score(cfg: GRPOConfig, roles: Roles, prompts: list[PromptSample], cell: int = 0) -> Collected:
+    """Sample ``group_size`` completions for each of ``prompts``, score them, compute advantages."""
+    rl = cfg.rl
+    prompt_ids = [
+        render_prompt_ids(roles.tokenizer, p.prompt, use_chat_template=cfg.model.use_chat_template) for p in prompts
+    ]
+    rollout = roles.engine.generate(prompt_ids, rl.group_size, sampling_params(cfg, cell))
+    inputs = [
+        RewardInput(
+            prompt=prompts[c.prompt_index].prompt,
+            completion=c.text,
+            ground_truth=prompts[c.prompt_index].ground_truth,
+            finish_reason=c.finish_reason,
+            metadata=prompts[c.prompt_index].metadata,
+        )
+        for c in rollout.completions
+    ]
+    uids = [f"{prompts[c.prompt_index].uid}#{k % rl.group_size}" for k, c in enumerate(rollout.completions)]
+    scores = score_completions(roles.reward, inputs, uids)
+    rewards_NG = torch.tensor(scores, dtype=torch.float32).view(len(prompts), rl.group_size)
+    # Advantages are computed on the whole group here, before any completion is masked out of the loss.
+    advantages_NG = group_advantages(rewards_NG, unbiased=rl.unbiased_advantage, eps=rl.advantage_eps)
+    return Collected(prompts, rollout, rewards_NG, advantages_NG)
+
+
+@dataclass
+class GroupPayload:
+    """One prompt's complete group, as dynamic sampling keeps or drops it."""
+
+    prompt: PromptSample
+    prompt_ids: list[int]
+    completions: list[Completion]
+    rewards_G: torch.Tensor
+    advantages_G: torch.Tensor
+    stats: dict[str, float]
+
+
+def split_groups(collected: Collected, group_size: int) -> list[ScoredGroup]:
+    """A drawn batch as groups stamped with their reward spread (the informative test reads only that)."""
+    spread_N = group_reward_spread(collected.rewards_NG).tolist()
+    comps = collected.rollout.completions
+    return [
+        ScoredGroup(
+            spread=spread_N[i],
+            payload=GroupPayload(
+                prompt=collected.prompts[i],
+                prompt_ids=collected.rollout.prompt_token_ids[i],
+                completions=comps[i * group_size : (i + 1) * group_size],
+                rewards_G=collected.rewards_NG[i],
+                advantages_G=collected.advantages_NG[i],
+                stats=collected.rollout.stats,
+            ),
+        )
+        for i in range(len(collected.prompts))
+    ]
+
+
+def join_groups(groups: list[GroupPayload]) -> Collected:
+    """The trained groups as one collected batch, completions renumbered by their new prompt index."""
+    completions = [replace(c, prompt_index=i) for i, g in enumerate(groups) for c in g.completions]
+    stats: dict[str, float] = {}
+    for g in groups:  # the last dispatch's engine stats stand for the step
+        stats = g.stats
+    rollout = RolloutBatch(prompt_token_ids=[g.prompt_ids for g in groups], completions=completions, stats=stats)
+    return Collected(
+        prompts=[g.prompt for g in groups],
+        rollout=rollout,
+        rewards_NG=torch.stack([g.rewards_G for g in groups]),
+        advantages_NG=torch.stack([g.advantages_G for g in groups]),
+    )
+
+
+def draw_cell(cfg: GRPOConfig, roles: Roles, cells: Cells) -> Collected:
+    """One collected batch without dynamic sampling: the step's prompts, this cell's groups of them
+    sampled and scored."""
+    rl = cfg.rl
+    prompts = roles.data.next_batch(rl.groups_per_step)
+    mine = cell_group_indices(rl.batch_per_replica, group_size=rl.group_size, mini_batch=rl.mini_batch, cells=cells)
+    return sample_and_score(cfg, roles, [prompts[i] for i in mine], cells.index)
+
+
+def dynamic_draw(cfg: GRPOConfig, roles: Roles, cells: Cells) -> DrawFn:
+    """The dynamic-sampling draw function of this rank.
+
+    Each rank draws the whole dispatch's prompts (cell 0's, then cell 1's, ...; the cursors stay
+    equal), samples and scores its own cell's, and learns the other cells' reward spreads by an
+    all-gather: the driver then makes the same refill and selection decisions on every rank, and
+    each rank keeps the payloads of its own cell only.
+    """
+    g = cfg.rl.group_size
+
+    def draw(counts: list[int]) -> list[list[ScoredGroup]]:
+        total = sum(counts)
+        prompts = roles.data.next_batch(total) if total else []
+        start = sum(counts[: cells.index])
+        mine = prompts[start : start + counts[cells.index]]
+        own = split_groups(sample_and_score(cfg, roles, mine, cells.index), g) if mine else []
+        spreads = gather_objects([group.spread for group in own])
+        return [
+            own if c == cells.index else [ScoredGroup(spread=s, payload=None) for s in spreads[c]]
+            for c in range(cells.count)
+        ]
+
+    return draw
+
+
+def collect(cfg: GRPOConfig, roles: Roles, cells: Cells) -> tuple[Collected, dict[str, float]]:
+    """One collected batch (this rank's cell of it); with a dynamic-sampling quota, keep drawing until
+    it holds enough informative groups (DAPO), train on those first and drop the rest."""
+    rl = cfg.rl
+    if rl.effective_min_informative_groups == 0:
+        return draw_cell(cfg, roles, cells), {}
+    result = collect_dynamic_for(rl, dynamic_draw(cfg, roles, cells), num_cells=cells.count)
+    # Train in draw order: selection order would put every informative group in the first mini-batch.
+    mine = [g for g in result.groups if g.cell == cells.index]
+    chosen = sorted(mine, key=lambda g: (g.draw_round, g.order))
+    return join_groups([g.payload for g in chosen]), result.metrics
+
+
+def to_train_batch(cfg: GRPOConfig, collected: Collected) -> TrainBatch:
+    """The trainer's view; truncated completions leave the loss here when masking is on."""
+    completions = collected.rollout.completions
+    truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+    in_loss = ~truncated if cfg.rl.mask_truncated_completions else torch.ones_like(truncated)
+    heads = cfg.rl.score_centering.enabled
+    return TrainBatch(
+        prompt_ids=[collected.rollout.prompt_token_ids[c.prompt_index] for c in completions],
+        completion_ids=[c.token_ids for c in completions],
+        advantages_B=collected.advantages_NG.reshape(-1),
+        in_loss_B=in_loss,
+        sampler_logprobs=[c.logprobs for c in completions],
+        group_size=cfg.rl.group_size,
+        head_ids=[c.extra["head_ids"] for c in completions] if heads else None,
+        head_logprobs=[c.extra["head_logprobs"] for c in completions] if heads else None,
+    )
+
+
+def rollout_metrics(collected: Collected) -> dict[str, float]:
+    """Reward and response statistics of the whole collected batch (before any update): every
+    rank's rewards and lengths are gathered first (a collective; one rank's own in one process)."""
+    lengths = torch.tensor([len(c.token_ids) for c in collected.rollout.completions], dtype=torch.float32)
+    truncated = [c.finish_reason == "length" for c in collected.rollout.completions]
+    stats = {k: float(v) for k, v in collected.rollout.stats.items()}
+    parts = gather_objects((collected.rewards_NG, lengths, truncated, stats))
+    rewards = torch.cat([p[0] for p in parts])
+    lengths = torch.cat([p[1] for p in parts])
+    truncated = [t for p in parts for t in p[2]]
+    metrics = {
+        "train/reward_mean": float(rewards.mean()),
+        "train/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "train/grpo_informative_group_count": float(informative_groups(rewards).sum()),
+        "train/rollout_truncated_frac": sum(truncated) / max(1, len(truncated)),
+        "train/response_len_mean": float(lengths.mean()),
+        "train/response_len_max": float(lengths.max()),
+    }
+    metrics.update(merge_rank_metrics([p[3] for p in parts]))
+    return metrics
