@@ -64,6 +64,7 @@ def _prompt_texts(n_total: int, seed: int = 0) -> list[str]:
 def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     from posttrain.config.schema import GRPOConfig
     from posttrain.models.loading import load_model_and_tokenizer
+    from posttrain.policy.objective import grpo_objective
     from posttrain.policy.trainer import PolicyTrainer
 
     cfg = GRPOConfig()
@@ -94,7 +95,6 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
             enforce_eager=args.enforce_eager,
             seed=0,
             dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-            policy=model,
             enable_sleep_mode=args.sleep,
             async_scheduling=True if args.async_scheduling else None,
             separate_process=args.separate_engine_process,
@@ -105,13 +105,14 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         engine = HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
     engine_s = time.perf_counter() - t0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    trainer = PolicyTrainer(model, cfg, pad_id=pad_id)
+    trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=pad_id)
     print(f"model {args.model}: loaded in {load_s:.1f}s; {args.engine} engine started in {engine_s:.1f}s", flush=True)
     return cfg, model, tokenizer, (engine, trainer, {"model_load_s": load_s, "engine_start_s": engine_s})
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 - one flat sequence of timed phases
     from posttrain.algorithm.advantages import group_advantages
+    from posttrain.distributed.fsdp import PolicyWeights
     from posttrain.models.chat import render_prompt_ids
     from posttrain.policy.trainer import TrainBatch
     from posttrain.rollout.base import SamplingParams
@@ -178,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 - one flat
         train_s = time.perf_counter() - t0
         source.settle()
         t0 = time.perf_counter()
-        engine.load_weights(None, version=trainer.optimizer_step)
+        engine.receive_weights(PolicyWeights(trainer.model), version=trainer.optimizer_step)
         _sync()
         sync_s = time.perf_counter() - t0
         step_s = time.perf_counter() - t_step

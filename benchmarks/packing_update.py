@@ -68,6 +68,7 @@ def computed_cells(trainer: Any, batch: Any) -> int:
 
 def run_variant(model: Any, batch: Any, *, micro: int, pack: bool, repeats: int) -> dict[str, Any]:
     from posttrain.config.loading import build_config
+    from posttrain.policy.objective import grpo_objective
     from posttrain.policy.trainer import PolicyTrainer
 
     cfg = build_config(
@@ -82,7 +83,7 @@ def run_variant(model: Any, batch: Any, *, micro: int, pack: bool, repeats: int)
             f"rollout.max_tokens={max(len(c) for c in batch.completion_ids)}",
         ],
     )
-    trainer = PolicyTrainer(model, cfg, pad_id=0)
+    trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=0)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     trainer.train_on(batch, step=1)  # warm-up
     times = []

@@ -66,6 +66,7 @@ def make_batch(prompts: int, samples: int, prompt_len: int, completion_len: int)
 
 def trainer_for(model: Any, batch: Any, **knobs: Any) -> Any:
     from posttrain.config.schema import GRPOConfig
+    from posttrain.policy.objective import grpo_objective
     from posttrain.policy.trainer import PolicyTrainer
 
     cfg = GRPOConfig()
@@ -77,7 +78,7 @@ def trainer_for(model: Any, batch: Any, **knobs: Any) -> Any:
     cfg.model.logprob_chunk_tokens = knobs.get("chunk", 1024)
     cfg.model.gradient_checkpointing = knobs.get("checkpointing", False)
     cfg.rollout.max_tokens = len(batch.completion_ids[0])
-    return PolicyTrainer(model, cfg, pad_id=0)
+    return PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=0)
 
 
 def timed(fn: Any, repeats: int = 3) -> float:

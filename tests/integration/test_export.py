@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from posttrain.checkpoint import CheckpointError
+from posttrain.checkpoint import CheckpointError, CheckpointWriter, TrainingState
 from posttrain.checkpoint.export import export_hf, export_main
-from posttrain.checkpoint.store import TrainingState, save_checkpoint
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "smollm2_tokenizer"
 
 
 def training_state(step: int) -> TrainingState:
     return TrainingState(step, step, 0, {}, {}, {"format": 1}, {})
+
+
+def save(
+    root: Path, step: int, trio: tuple[nn.Module, torch.optim.Optimizer, Any], *, fmt: str = "consolidated", **kw: Any
+) -> Path:
+    """One synchronous save of ``trio`` (model, optimizer, scheduler), as the loop's writer makes it."""
+    model, opt, sched = trio
+    with CheckpointWriter(root, fmt=fmt) as writer:  # type: ignore[arg-type]
+        return writer.save(step, model, opt, sched, training_state(step), **kw)
 
 
 def trained_llama(tokenizer: object) -> tuple[nn.Module, torch.optim.Optimizer, object]:
@@ -50,7 +59,7 @@ def test_export_loads_with_identical_logits(tmp_path: Path, fmt: str) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     model, opt, sched = trained_llama(tokenizer)
-    ckpt = save_checkpoint(tmp_path / "ckpts", 7, model, opt, sched, training_state(7), fmt=fmt, tokenizer=tokenizer)
+    ckpt = save(tmp_path / "ckpts", 7, (model, opt, sched), fmt=fmt, tokenizer=tokenizer)
     out = export_hf(ckpt, tmp_path / "hf_out")
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
         p.name for p in out.iterdir()
@@ -73,7 +82,7 @@ def test_export_refusals_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     model, opt, sched = trained_llama(tokenizer)
-    ckpt = save_checkpoint(tmp_path / "run" / "checkpoints", 3, model, opt, sched, training_state(3))
+    ckpt = save(tmp_path / "run" / "checkpoints", 3, (model, opt, sched))
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "x").write_text("x")
     with pytest.raises(CheckpointError, match="exists and is not empty"):
@@ -85,7 +94,7 @@ def test_export_refusals_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
     plain = nn.Linear(2, 2)
     popt = torch.optim.AdamW(plain.parameters())
-    bare = save_checkpoint(tmp_path / "plain", 1, plain, popt, None, training_state(1))
+    bare = save(tmp_path / "plain", 1, (plain, popt, None))
     with pytest.raises(CheckpointError, match=r"stores no Hugging Face config .* pass base_model_dir"):
         export_hf(bare, tmp_path / "plain_out")
     assert export_main([str(tmp_path / "nowhere"), str(tmp_path / "o")]) == 1

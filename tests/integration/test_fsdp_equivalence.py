@@ -29,7 +29,9 @@ import torch
 
 from posttrain.config.loading import build_config
 from posttrain.distributed.cells import cell_config, cell_rows, take_rows
-from posttrain.policy.trainer import PolicyTrainer, TrainBatch
+from posttrain.policy.objective import grpo_objective
+from posttrain.policy.train_batch import SamplerHead, TrainBatch
+from posttrain.policy.trainer import PolicyTrainer
 
 G = 2
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19]]
@@ -128,7 +130,7 @@ def _train(model_dir: str, case: Case, mesh: Any = None) -> dict[str, Any]:
         batch = take_rows(
             batch, cell_rows(len(LENGTHS), group_size=G, mini_batch=cfg.rl.mini_batch, cell=dp.cell, cells=dp.size)
         )
-    trainer = PolicyTrainer(model, cfg, pad_id=2)
+    trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=2)
     grads = _record_grads(trainer)
     metrics = trainer.train_on(batch, step=1)
     return {"grads": grads, "state": full_state_dict(model), "metrics": metrics}
@@ -238,9 +240,22 @@ def test_take_rows_splits_every_per_trajectory_field() -> None:
     cell = take_rows(batch, [4, 5, 6, 7])
     assert cell.completion_ids == batch.completion_ids[4:] and cell.prompt_ids == batch.prompt_ids[4:]
     assert torch.equal(cell.advantages_B, batch.advantages_B[4:]) and cell.group_size == G
-    assert cell.head_ids is None
+    assert cell.sampler_head is None
     batch.sampler_logprobs = batch.sampler_logprobs[:3]
     with pytest.raises(ValueError, match="sampler_logprobs has 3 rows, expected 8"):
+        take_rows(batch, [0, 1])
+
+
+def test_take_rows_slices_the_per_feature_payloads() -> None:
+    batch = _batch()
+    ids = [[[i, i + 1]] * n for i, n in enumerate(LENGTHS)]
+    logprobs = [[[-0.5, -1.5]] * n for n in LENGTHS]
+    batch.sampler_head = SamplerHead(ids=ids, logprobs=logprobs)
+    cell = take_rows(batch, [1, 6])
+    assert cell.sampler_head == SamplerHead(ids=[ids[1], ids[6]], logprobs=[logprobs[1], logprobs[6]])
+    assert batch.sampler_head.ids == ids  # the original batch is not modified
+    batch.sampler_head = SamplerHead(ids=ids[:5], logprobs=logprobs)
+    with pytest.raises(ValueError, match=r"TrainBatch\.sampler_head\.ids has 5 rows, expected 8"):
         take_rows(batch, [0, 1])
 
 

@@ -9,13 +9,14 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from posttrain.distributed.fsdp import PolicyWeights
 from posttrain.errors import TrainingError
 from posttrain.models.chat import render_prompt_ids
 from posttrain.models.tiny import make_tiny_model
 from posttrain.policy.batching import build_policy_batch
 from posttrain.policy.logprobs import completion_logprobs
 from posttrain.rollout.base import RolloutBatch, SamplingParams
-from posttrain.rollout.hf_engine import HFRolloutEngine, plan_chunks, sample_tokens, warp_logits
+from posttrain.rollout.hf_engine import HFRolloutEngine, draw_tokens, plan_chunks, warp_logits
 
 EOS = 2  # <|im_end|> in the SmolLM2 tokenizer
 
@@ -185,7 +186,8 @@ def test_sampler_follows_the_distribution() -> None:
     probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
     logits_BV = probs.log().expand(20000, 4).contiguous()
     gen = torch.Generator().manual_seed(0)
-    ids, logprobs = sample_tokens(logits_BV, SamplingParams(max_tokens=1), gen)
+    ids, logprobs_BV = draw_tokens(logits_BV, SamplingParams(max_tokens=1), gen)
+    logprobs = logprobs_BV.gather(-1, ids[:, None]).squeeze(-1)
     freq = torch.bincount(ids, minlength=4).float() / ids.numel()
     assert freq[3] == 0  # probability zero is never drawn
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
@@ -228,14 +230,14 @@ def test_generate_restores_train_mode(model, tokenizer, prompts) -> None:
     assert not model.training
 
 
-def test_load_weights_copies_tensors_and_stamps_version(model, tokenizer, prompts) -> None:
+def test_received_weights_are_copied_and_stamped(model, tokenizer, prompts) -> None:
     policy = copy.deepcopy(model)
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     engine = HFRolloutEngine(model, tokenizer)
     before = engine.generate(prompts, 2, SamplingParams(max_tokens=5, seed=0))
-    engine.load_weights(policy.named_parameters(), version=3)
+    engine.receive_weights(PolicyWeights(policy), version=3)  # its own module: the policy's tensors copied in
     assert engine.weight_version == 3
     for (name, p), q in zip(model.named_parameters(), policy.parameters()):
         assert torch.equal(p, q), name
@@ -244,13 +246,37 @@ def test_load_weights_copies_tensors_and_stamps_version(model, tokenizer, prompt
     assert after.weight_version == 3
     assert _tokens(after) != _tokens(before)
     # Colocated: the engine shares the policy module, so only the version is stamped.
-    engine.load_weights(None, version=4)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.add_(1.0)
+    engine.receive_weights(PolicyWeights(model), version=4)
     assert engine.weight_version == 4
+    assert not torch.equal(model.get_input_embeddings().weight, policy.get_input_embeddings().weight)
+    # A list of named tensors goes in as it is (what a replica receives).
+    engine.load_weights(list(policy.named_parameters()), version=5)
+    assert engine.weight_version == 5 and torch.equal(
+        model.get_input_embeddings().weight, policy.get_input_embeddings().weight
+    )
+
+
+def test_a_replica_keeps_one_sampling_stream_per_cell(model, tokenizer, prompts) -> None:
+    """``rollout/replica.py``: one engine serving two policy ranks (cells) draws for each the stream
+    that rank's own engine would, however their calls interleave; each cell's stream checkpoints."""
+    from posttrain.rollout.replica import Replica
+
+    params = SamplingParams(max_tokens=5, seed=3)
+    replica = Replica(HFRolloutEngine(model, tokenizer), torch.device("cpu"))
+    own = [HFRolloutEngine(model, tokenizer) for _ in range(2)]
+    for cell in (0, 1, 1, 0, 1):
+        assert _tokens(replica.generate(cell, prompts, 2, params)) == _tokens(own[cell].generate(prompts, 2, params))
+    assert [replica.state_dict(c) for c in (0, 1, 7)] == [{"generate_calls": n} for n in (2, 3, 0)]
+    replica.load_state_dict(1, {"generate_calls": 0})
+    first = HFRolloutEngine(model, tokenizer).generate(prompts, 2, params)
+    assert _tokens(replica.generate(1, prompts, 2, params)) == _tokens(first)
 
 
 def test_failed_load_poisons_the_engine(model, tokenizer, prompts) -> None:
     engine = HFRolloutEngine(model, tokenizer)
-    engine.load_weights(None, version=1)
+    engine.receive_weights(PolicyWeights(model), version=1)
     good = dict(model.named_parameters())
     name = next(iter(good))
     bad = [(name, good[name].detach().clone()), ("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3))]

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from posttrain.config.loading import build_config
 from posttrain.errors import PosttrainError
 from posttrain.loop.grpo import train
+from posttrain.policy.objective import grpo_objective
 from posttrain.policy.trainer import build_reference
 
 
@@ -44,15 +45,23 @@ def test_reference_refuses_live_dropout(tiny_model_dir: str) -> None:
     model.config.attention_dropout = 0.1
     cfg = build_config(None, ["rl.kl_beta=0.1", "rl.ref.build_ref=true"])
     with pytest.raises(PosttrainError, match="live dropout"):
-        build_reference(model, cfg)
+        build_reference(model, cfg, grpo_objective(cfg))
 
 
-def test_truncated_completions_leave_the_loss(run: Callable[..., list[dict]]) -> None:
+def test_truncated_completions_leave_the_loss(run: Callable[..., list[dict]], tmp_path: Path) -> None:
     # the tiny model never emits EOS within 12 tokens: every completion is cut, so nothing is left
     records = run("rl.mask_truncated_completions=true")
     assert all(r["train/rollout_truncated_frac"] == 1.0 for r in records)
     assert all(r["train/grad_norm"] == 0.0 for r in records)
     assert records[-1]["optim/zero_grad_skips_total"] == 2.0
+    # counted, and said: a run that trains nothing must not look like one that learns nothing
+    assert [r["train/masked_truncated_count"] for r in records] == [8.0, 8.0]  # rl.batch_per_replica=8
+    log = next(tmp_path.rglob("train.log")).read_text()
+    assert log.count("no completion of this batch is in the loss") == 2
+
+
+def test_unmasked_runs_report_no_masked_count(run: Callable[..., list[dict]]) -> None:
+    assert all("train/masked_truncated_count" not in r for r in run())
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "fusedadam"])
@@ -65,3 +74,23 @@ def test_other_optimizers_train(optimizer: str, run: Callable[..., list[dict]]) 
 def test_data_seed_follows_rollout_seed_when_asked() -> None:
     assert build_config(None, ["rl.seed=3", "rollout.seed=9"]).data_seed == 3
     assert build_config(None, ["rl.seed=3", "rollout.seed=9", "rl.data_seed_follows_rollout_seed=true"]).data_seed == 9
+
+
+@pytest.mark.parametrize(
+    ("lr", "said"),
+    [
+        # finite weights whose norm overflows: the check names where the largest entries are, not "?"
+        ("1e30", r"weights so large that their norm overflows \(largest in model\.\w+"),
+        # a step size that overflows fp32 inside the fused update: named, not torch's RuntimeError
+        ("1e38", r"the adamw step failed at rl\.optimizer\.lr=1e\+38"),
+    ],
+)
+def test_an_absurd_learning_rate_is_a_named_error(run: Callable[..., list[dict]], lr: str, said: str) -> None:
+    with pytest.raises(PosttrainError, match=said):
+        run(f"rl.optimizer.lr={lr}")
+
+
+def test_a_hung_reward_stops_the_run_with_a_named_timeout(run: Callable[..., list[dict]]) -> None:
+    # the run's reward is resolved with rl.reward_timeout_s: a scorer that hangs becomes a named error
+    with pytest.raises(PosttrainError, match=r"rl\.reward_timeout_s"):
+        run("rl.reward=e2e_rewards:slow_reward", "rl.reward_timeout_s=0.2")

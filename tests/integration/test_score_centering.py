@@ -14,11 +14,11 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.config.loading import build_config
-from posttrain.config.validate import preflight
 from posttrain.loop.grpo import train
 from posttrain.models.chat import render_prompt_ids
 from posttrain.policy.batching import build_policy_batch
 from posttrain.policy.logprobs import completion_logprobs
+from posttrain.preflight.grpo import grpo_preflight as preflight
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.hf_engine import HFRolloutEngine
 

@@ -135,7 +135,8 @@ def test_same_token_advantage_credit_and_prefix(smollm2_tokenizer_dir: str) -> N
     )
     batch, metrics = opd_train_batch(cfg, collected, signal)
     # A(t) = A_reward + 0.5 * credit, with the first token of each completion carrying no credit
-    assert batch.token_advantages == [
+    assert batch.token_advantages is not None
+    assert batch.token_advantages.values == [
         pytest.approx([0.7, 0.7 + 0.5 * 1.75]),
         pytest.approx([-0.7]),
     ]
@@ -148,7 +149,8 @@ def test_direct_signal_goes_to_the_batch(smollm2_tokenizer_dir: str) -> None:
     collected = Collected([PromptSample("q")], _rollout(), torch.zeros(1, 2), torch.zeros(1, 2))
     signal = TeacherSignal(topk_ids=[[[1]], [[2]]], topk_logprobs=[[[-0.1]], [[-0.2]]])
     batch, metrics = opd_train_batch(cfg, collected, signal)
-    assert batch.teacher_topk_ids == [[[1]], [[2]]] and batch.token_advantages is None and metrics == {}
+    assert batch.teacher_topk is not None
+    assert batch.teacher_topk.ids == [[[1]], [[2]]] and batch.token_advantages is None and metrics == {}
 
 
 class ThinkTemplate:
@@ -211,9 +213,102 @@ def test_cross_token_requests_use_the_teachers_tokenization(smollm2_tokenizer_di
     assert signal.metrics["train/opd_dpca_chunk_count"] == len(body) + 1
 
 
+def _byte_bpe_student() -> Any:
+    """A student tokenizer of its own: a byte-level BPE (every byte in its alphabet) trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<eos>"],
+        show_progress=False,
+    )
+    tok.train_from_iterator(["The answer is 602.", "12 + 7 = 19, so 602 it is."] * 3, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def _dpca_cfg() -> OPDConfig:
+    return _cfg(
+        "rl.teacher.input_mode=cross_token_text",
+        "rl.teacher.signal_mode=dpca",
+        "rl.teacher.top_k=0",
+        "rl.distillation_mode=advantage",
+        "rl.jsd_beta=null",
+    )
+
+
+def test_dpca_text_the_teacher_does_not_reproduce_is_unmatched_not_a_failed_batch(
+    smollm2_tokenizer_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The issue's completion '.\x16 602': SmolLM2 has no token for byte 0x16 and drops it. The
+    student's '\x16' token gets no credit; the tokens before and after it keep theirs; the batch
+    scores on the first attempt and the coverage metrics count the unmatched tokens."""
+    from transformers import AutoTokenizer
+
+    student, teacher_tok = _byte_bpe_student(), AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    body = student(".\x16 602", add_special_tokens=False)["input_ids"]
+    assert student.convert_ids_to_tokens(body) == [".", "Ė", "Ġ602"]
+    dropped = student("\x16\x04", add_special_tokens=False)["input_ids"]  # the teacher keeps nothing of it
+    rollout = RolloutBatch(
+        prompt_token_ids=[[1, 2]],
+        completions=[
+            Completion(0, [*body, student.eos_token_id], [-1.0, -2.0, -0.5, -0.1], "stop"),
+            Completion(0, dropped, [-1.0, -1.0], "length"),
+        ],
+    )
+    seen: list[ScoreRequest] = []
+
+    def record(req: ScoreRequest) -> SequenceScores:
+        seen.append(req)
+        return SequenceScores([-0.5, -0.25, -0.25, -0.5, -1.0, -0.3][: len(req.token_ids) - req.score_from])
+
+    teacher = ScriptedTeacher(teacher_tok, [record])
+    teacher.vocab_size = len(teacher_tok)
+    with caplog.at_level("WARNING", logger="posttrain.teacher"):
+        signal = TeacherSignals(_dpca_cfg(), teacher, student, len(student)).score(rollout, ["hi"])
+    # One request only (the second text tokenizes to nothing): '. 602' in SmolLM2 tokens, then its EOS.
+    assert len(seen) == 1
+    assert seen[0].token_ids[seen[0].score_from :] == [*teacher_tok(". 602")["input_ids"], teacher_tok.eos_token_id]
+    # '.': -0.5 - -1.0; '\x16': none; ' 602' (four teacher tokens): -2.0 - -0.5; EOS: -0.3 - -0.1.
+    assert signal.credit == [pytest.approx([0.5, 0.0, -1.5, -0.2]), [0.0, 0.0]]
+    m = signal.metrics
+    assert m["train/opd_teacher_score_success_count"] == 1 and m["train/opd_teacher_score_failure_count"] == 0
+    assert m["train/opd_teacher_scored_sequences"] == 1 and m["train/opd_teacher_scored_tokens"] == 6
+    assert m["train/opd_dpca_coverage"] == pytest.approx(3 / 6)  # 3 of the 6 student tokens get credit
+    assert m["train/opd_dpca_unmatched_chunk_count"] == pytest.approx(1.0)  # (1 + 1) over 2 completions
+    assert m["train/opd_dpca_chunk_count"] == pytest.approx(1.5)
+    assert m["train/opd_dpca_too_long_chunk_count"] == 0.0
+    assert "reads the student's '\\x16' as ''" in caplog.text
+
+
+def test_dpca_replacement_characters_and_control_characters_align(smollm2_tokenizer_dir: str) -> None:
+    """Invalid UTF-8 the student samples (the encoding of a lone surrogate, ED A0 80) decodes to
+    three U+FFFD, and NUL / ESC are bytes SmolLM2 has: the teacher reproduces the text, every token
+    is its own chunk and gets credit."""
+    from transformers import AutoTokenizer
+
+    student, teacher_tok = _byte_bpe_student(), AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    pieces = ["a", "í", "ł", "Ģ", "b", "Ā", "ě"]  # 'a', bytes ED A0 80, 'b', NUL, ESC
+    body = student.convert_tokens_to_ids(pieces)
+    assert student.decode(body) == "a\ufffd\ufffd\ufffdb\x00\x1b"
+    rollout = RolloutBatch(prompt_token_ids=[[1, 2]], completions=[Completion(0, body, [-1.0] * len(body), "length")])
+    teacher = ScriptedTeacher(
+        teacher_tok, [lambda req: SequenceScores([-0.25] * (len(req.token_ids) - req.score_from))]
+    )
+    teacher.vocab_size = len(teacher_tok)
+    signal = TeacherSignals(_dpca_cfg(), teacher, student, len(student)).score(rollout, ["hi"])
+    assert signal.credit == [pytest.approx([0.75] * len(body))]
+    assert signal.metrics["train/opd_dpca_coverage"] == 1.0
+    assert signal.metrics["train/opd_dpca_unmatched_chunk_count"] == 0.0
+
+
 def _direct_batch(teacher: HFTeacher, top_k: int) -> Any:
     """A two-completion batch with the teacher's own top-k attached."""
-    from posttrain.policy.trainer import TrainBatch
+    from posttrain.policy.train_batch import TeacherTopK, TrainBatch
 
     prompts, completions = [[5, 17, 300], [7, 8]], [[42, 9, 11, 12], [1000, 3]]
     scores = teacher.score([ScoreRequest(p + c, len(p)) for p, c in zip(prompts, completions, strict=True)], top_k)
@@ -223,8 +318,10 @@ def _direct_batch(teacher: HFTeacher, top_k: int) -> Any:
         advantages_B=torch.zeros(2),
         in_loss_B=torch.ones(2, dtype=torch.bool),
         sampler_logprobs=[s.logprobs for s in scores],
-        teacher_topk_ids=[s.topk_ids for s in scores],  # type: ignore[misc]
-        teacher_topk_logprobs=[s.topk_logprobs for s in scores],  # type: ignore[misc]
+        teacher_topk=TeacherTopK(
+            ids=[s.topk_ids for s in scores],  # type: ignore[arg-type]
+            logprobs=[s.topk_logprobs for s in scores],  # type: ignore[arg-type]
+        ),
     )
 
 
@@ -234,7 +331,8 @@ def test_direct_opd_fixed_point_and_micro_batch_invariance(tiny_model_dir: str, 
     gradient do not depend on how the batch is split into micro-batches."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from posttrain.policy.distill_trainer import DistillationTrainer
+    from posttrain.policy.objective import direct_distillation_objective
+    from posttrain.policy.trainer import PolicyTrainer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     teacher_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -253,7 +351,7 @@ def test_direct_opd_fixed_point_and_micro_batch_invariance(tiny_model_dir: str, 
         )
         if micro is not None:
             cfg.rl.micro_batch_per_replica = micro
-        trainer = DistillationTrainer(student, cfg, pad_id=0)
+        trainer = PolicyTrainer(student, cfg, objective=direct_distillation_objective(cfg), pad_id=0)
         grads: list[torch.Tensor] = []
         trainer._optimizer_step = lambda step: (
             grads.extend(  # type: ignore[method-assign]

@@ -11,8 +11,10 @@ from posttrain.config.loading import build_config
 from posttrain.errors import TrainingError
 from posttrain.policy.batching import PolicyBatch, build_policy_batch
 from posttrain.policy.logprobs import completion_logprobs
+from posttrain.policy.objective import grpo_objective
 from posttrain.policy.shared_prefix import build_grouped_batch, grouped_completion_logprobs
-from posttrain.policy.trainer import PolicyTrainer, TrainBatch
+from posttrain.policy.train_batch import TrainBatch
+from posttrain.policy.trainer import PolicyTrainer
 
 G = 4
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19], [20, 21]]
@@ -63,7 +65,7 @@ def _trained_params(model_dir: str, overrides: list[str]) -> tuple[list[torch.Te
     torch.manual_seed(0)
     cfg = build_config(None, ["rl.batch_per_replica=16", "rl.group_size=4", "rl.optimizer.lr=1e-3", *overrides])
     model = _load(model_dir)
-    trainer = PolicyTrainer(model, cfg, pad_id=2)
+    trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=2)
     metrics = trainer.train_on(_batch(), step=1)
     return [p.detach().clone() for p in model.parameters()], metrics
 
@@ -93,7 +95,7 @@ def test_micro_batches_and_prefix_sharing_do_not_change_the_update(
 def test_auto_prefix_sharing_follows_prompt_and_completion_lengths(tiny_model_dir: str) -> None:
     cfg = build_config(None, ["rl.batch_per_replica=4", "rl.group_size=2"])
     assert cfg.model.share_prompt_prefix == "auto"
-    trainer = PolicyTrainer(_load(tiny_model_dir), cfg, pad_id=2)
+    trainer = PolicyTrainer(_load(tiny_model_dir), cfg, objective=grpo_objective(cfg), pad_id=2)
     long_prompts = TrainBatch(
         [[1] * 10] * 4, [[5] * 3] * 4, torch.zeros(4), torch.ones(4, dtype=torch.bool), [[0.0] * 3] * 4, 2
     )
@@ -116,7 +118,7 @@ def test_probe_fails_with_live_dropout(tiny_model_dir: str) -> None:
     # dropout in train mode makes two forwards of the same batch differ: the probe must catch it
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.5
-    trainer = PolicyTrainer(model, cfg, pad_id=2)
+    trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=2)
     with pytest.raises(TrainingError, match="determinism probe failed"):
         trainer.train_on(_batch(), step=3)
 
@@ -125,7 +127,7 @@ def test_zero_advantages_skip_the_update(tiny_model_dir: str) -> None:
     cfg = build_config(None, ["rl.batch_per_replica=16", "rl.group_size=4"])
     model = _load(tiny_model_dir)
     before = [p.detach().clone() for p in model.parameters()]
-    trainer = PolicyTrainer(model, cfg, pad_id=2)
+    trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=2)
     batch = _batch()
     batch.advantages_B = torch.zeros_like(batch.advantages_B)
     metrics = trainer.train_on(batch, step=1)
@@ -136,7 +138,7 @@ def test_zero_advantages_skip_the_update(tiny_model_dir: str) -> None:
 def test_non_finite_gradient_is_fatal_and_names_the_parameter(tiny_model_dir: str) -> None:
     cfg = build_config(None, ["rl.batch_per_replica=16", "rl.group_size=4"])
     model = _load(tiny_model_dir)
-    trainer = PolicyTrainer(model, cfg, pad_id=2)
+    trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=2)
     batch = _batch()
     batch.advantages_B[0] = float("inf")
     with pytest.raises(TrainingError, match=r"step 7: non-finite gradient .* parameter"):
@@ -149,7 +151,7 @@ def test_packed_micro_batches_keep_their_count_and_never_compute_more_cells(
 ) -> None:
     def cells(overrides: list[str]) -> tuple[int, int, list[int]]:
         cfg = build_config(None, [*cfg_overrides, f"rl.micro_batch_per_replica={micro}", *overrides])
-        trainer = PolicyTrainer(_load(tiny_model_dir), cfg, pad_id=2)
+        trainer = PolicyTrainer(_load(tiny_model_dir), cfg, objective=grpo_objective(cfg), pad_id=2)
         trainer._decide_sharing(batch)
         micros = trainer._micro_batches(batch, list(range(16)))
         built = [trainer._model_batch(batch, rows) for rows in micros]

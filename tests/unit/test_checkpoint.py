@@ -1,4 +1,7 @@
-"""Checkpoints: exact round trips in both formats, integrity checks, retention, resume rules, signals."""
+"""Checkpoints: exact round trips in both formats, integrity checks, retention, async saves, signals.
+
+The resume-identity rules (what a resume must keep unchanged) are the loop's: tests/unit/test_resume.py.
+"""
 
 from __future__ import annotations
 
@@ -10,32 +13,30 @@ import re
 import shutil
 import signal
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from posttrain.checkpoint import CheckpointError
-from posttrain.checkpoint.manifest import read_manifest
-from posttrain.checkpoint.rng import capture_rng, restore_rng
-from posttrain.checkpoint.signals import GracefulStop
-from posttrain.checkpoint.store import (
-    LATEST_NAME,
+from posttrain.checkpoint import (
+    CheckpointError,
     CheckpointWriter,
+    GracefulStop,
     TrainingState,
-    anchor_hash,
-    check_resume_compatible,
+    capture_rng,
     find_latest_complete,
-    iter_name,
     load_checkpoint,
-    read_latest_pointer,
     read_training_state,
     resolve_resume,
-    save_checkpoint,
+    restore_rng,
     verify_checkpoint,
-    wait_for_pending_save,
 )
+from posttrain.checkpoint.layout import LATEST_NAME, iter_name, read_latest_pointer
+from posttrain.checkpoint.manifest import read_manifest
+from posttrain.config.loading import build_config
+from posttrain.errors import ConfigError
 
 VOCAB = 11
 
@@ -120,10 +121,21 @@ def assert_same_training_state(a: tuple, b: tuple) -> None:
     assert sa.state_dict() == sb.state_dict()
 
 
+Trio = tuple[nn.Module, torch.optim.Optimizer, Any]
+
+
+def save(root: Path, step: int, trio: Trio, state: TrainingState, **kw: object) -> Path:
+    """One synchronous save of ``trio`` (model, optimizer, scheduler) through a fresh writer (``kw``:
+    ``fmt``, ``keep_*_last``); retention reads what is on disk, so one writer per save changes nothing."""
+    with CheckpointWriter(root, **kw) as writer:  # type: ignore[arg-type]
+        model, opt, sched = trio
+        return writer.save(step, model, opt, sched, state)
+
+
 def quick_save(root: Path, step: int, fmt: str = "consolidated", **kw: object) -> Path:
     model, opt, sched = build("tiny", seed=step)
     train_step(model, opt, sched, seed=step)
-    return save_checkpoint(root, step, model, opt, sched, make_state(step), fmt=fmt, **kw)  # type: ignore[arg-type]
+    return save(root, step, (model, opt, sched), make_state(step), fmt=fmt, **kw)
 
 
 # -- round trips ---------------------------------------------------------------------------------
@@ -136,7 +148,7 @@ def test_round_trip_continues_bitwise(tmp_path: Path, kind: str, fmt: str) -> No
     for s in range(3):
         train_step(*ref, seed=s)
     state = make_state(3)
-    path = save_checkpoint(tmp_path, 3, *ref, state, fmt=fmt)  # type: ignore[arg-type]
+    path = save(tmp_path, 3, ref, state, fmt=fmt)
     assert path == tmp_path / "iter_000000003"
     assert verify_checkpoint(path) == []
     manifest = read_manifest(path)
@@ -163,7 +175,7 @@ def test_round_trip_continues_bitwise(tmp_path: Path, kind: str, fmt: str) -> No
 
 def test_consolidated_files_and_hf_meta(tmp_path: Path) -> None:
     model, opt, sched = build("llama", seed=0)
-    path = save_checkpoint(tmp_path, 1, model, opt, sched, make_state(1))
+    path = save(tmp_path, 1, (model, opt, sched), make_state(1))
     names = set(read_manifest(path)["files"])
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "training_state.json", "hf/config.json"} <= names
     from safetensors import safe_open
@@ -271,7 +283,7 @@ def test_pointer_only_names_complete_checkpoints(tmp_path: Path) -> None:
     bad = make_state(3)
     bad.engine_state = {"sampler": object()}  # fails mid-save
     with pytest.raises(CheckpointError, match="engine_state"):
-        save_checkpoint(tmp_path, 3, model, opt, sched, bad)
+        save(tmp_path, 3, (model, opt, sched), bad)
     assert read_latest_pointer(tmp_path) == tmp_path / iter_name(2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [iter_name(1), iter_name(2), LATEST_NAME]
 
@@ -319,8 +331,20 @@ def test_retention_keep_model_last_dcp(tmp_path: Path) -> None:
     assert find_latest_complete(tmp_path) == tmp_path / iter_name(3)
     with pytest.raises(CheckpointError, match="model state was removed by retention"):
         load_checkpoint(tmp_path / iter_name(2), *build("tiny", seed=0))
-    with pytest.raises(CheckpointError, match="keep at least 1"):
-        CheckpointWriter(tmp_path, keep_optim_last=0)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rl.keep_model_last=0", r"rl\.keep_model_last=0: Input should be greater than or equal to 1"),
+        ("rl.keep_optim_last=0", r"rl\.keep_optim_last=0: Input should be greater than or equal to 1"),
+        ("rl.checkpoint_format=zip", r"rl\.checkpoint_format='zip': Input should be 'consolidated' or 'dcp'"),
+    ],
+)
+def test_writer_settings_are_refused_by_the_config(override: str, message: str) -> None:
+    # the one place these are checked: CheckpointWriter takes them from the validated config
+    with pytest.raises(ConfigError, match=message):
+        build_config(None, [override])
 
 
 # -- async ---------------------------------------------------------------------------------------
@@ -330,7 +354,7 @@ def test_async_save_equals_sync_save(tmp_path: Path) -> None:
     model, opt, sched = build("llama", seed=0)
     train_step(model, opt, sched, seed=0)
     state = make_state(1)
-    sync = save_checkpoint(tmp_path / "sync", 1, model, opt, sched, state)
+    sync = save(tmp_path / "sync", 1, (model, opt, sched), state)
     writer = CheckpointWriter(tmp_path / "async", async_save=True)
     path = writer.save(1, model, opt, sched, state)
     train_step(model, opt, sched, seed=1)  # training goes on while the thread writes
@@ -341,71 +365,25 @@ def test_async_save_equals_sync_save(tmp_path: Path) -> None:
 
 
 def test_async_failure_is_reported_at_the_next_join(tmp_path: Path) -> None:
-    quick_save(tmp_path, 4, async_save=True)
-    wait_for_pending_save()
-    (tmp_path / iter_name(5)).write_text("in the way")  # the final rename will fail in the thread
     model, opt, sched = build("tiny", seed=0)
-    save_checkpoint(tmp_path, 5, model, opt, sched, make_state(5), async_save=True)
+    writer = CheckpointWriter(tmp_path, async_save=True)
+    good = writer.save(4, model, opt, sched, make_state(4))
+    assert writer.wait() == good
+    (tmp_path / iter_name(5)).write_text("in the way")  # the final rename will fail in the thread
+    writer.save(5, model, opt, sched, make_state(5))
     with pytest.raises(CheckpointError, match=r"background save of step 5 .* failed: .*not a checkpoint directory"):
-        wait_for_pending_save()
-    wait_for_pending_save()  # reported once
-    assert read_latest_pointer(tmp_path) == tmp_path / iter_name(4)
+        writer.wait()
+    assert writer.wait() == good  # reported once; the last save that completed
+    writer.save(6, model, opt, sched, make_state(6))
+    (tmp_path / iter_name(7)).write_text("in the way")
+    writer.save(7, model, opt, sched, make_state(7))
+    with pytest.raises(CheckpointError, match=r"background save of step 7 .* failed"):
+        writer.save(8, model, opt, sched, make_state(8))  # the next save joins first, and reports it
+    assert not writer.pending and read_latest_pointer(tmp_path) == tmp_path / iter_name(6)
     assert not list(tmp_path.glob("*.tmp-*"))
 
 
-# -- resume rules ----------------------------------------------------------------------------------
-
-
-def _identity(**changes: object) -> dict:
-    ident = make_state(0).identity
-    ident.update(changes)
-    return ident
-
-
-def test_check_resume_compatible_accepts_same_identity() -> None:
-    saved = make_state(4)
-    check_resume_compatible(saved, _identity(), n_mini=1)
-    saved.optimizer_step, saved.zero_grad_skips_total = 7, 1  # one of the 8 slots was a zero-grad skip
-    saved.identity["n_mini"] = 2
-    check_resume_compatible(saved, _identity(n_mini=2), n_mini=2)
-
-
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        ({"data_seed": 5}, r"data seed changed: the checkpoint was written with 0, this run uses 5"),
-        (
-            {"objective": {"loss_type": "seq-mean-token-mean", "epsilon_high": 0.28}},
-            r"objective identity changed: epsilon_high 0.2 -> 0.28, loss_type 'token-mean' -> 'seq-mean-token-mean'",
-        ),
-        (
-            {"ref_anchor": "ab" * 32},
-            r"reference anchor changed \(content of rl.ref.model_dir\): none -> sha256 abababababab",
-        ),
-    ],
-)
-def test_check_resume_compatible_refusals(change: dict, message: str) -> None:
-    with pytest.raises(CheckpointError, match=message) as info:
-        check_resume_compatible(make_state(4), _identity(**change), n_mini=1)
-    assert "rl.resume=off" in str(info.value)
-
-
-def test_check_resume_refuses_step_off_the_batch_boundary() -> None:
-    saved = make_state(3)  # optimizer_step 3
-    with pytest.raises(CheckpointError) as info:
-        check_resume_compatible(saved, _identity(n_mini=2), n_mini=2)
-    text = str(info.value)
-    assert "optimizer step 3 is not a multiple of rl.n_mini=2" in text
-    assert "rl.n_mini changed: 1 -> 2" in text  # every difference is listed, not only the first
-
-
-def test_anchor_hash_follows_content(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "w.bin").write_bytes(b"abc")
-    first = anchor_hash(tmp_path)
-    assert anchor_hash(tmp_path) == first and anchor_hash(None) is None
-    (tmp_path / "w.bin").write_bytes(b"abd")
-    assert anchor_hash(tmp_path) != first
+# -- resolve rl.resume -----------------------------------------------------------------------------
 
 
 def test_resolve_resume_auto_across_attempts(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -446,7 +424,7 @@ def test_graceful_stop_first_signal_requests_second_interrupts() -> None:
     assert signal.getsignal(signal.SIGINT) is before_int
 
 
-# -- multi-rank dcp (FSDP2 on gloo, CPU) -----------------------------------------------------------
+# -- multi-rank (FSDP2 on gloo, CPU) -----------------------------------------------------------------
 
 
 def _fsdp_worker(rank: int, world: int, root: str, store: str) -> None:
@@ -455,7 +433,7 @@ def _fsdp_worker(rank: int, world: int, root: str, store: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 
-    def build_sharded(seed: int) -> tuple:
+    def build_sharded(seed: int) -> Trio:
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, VOCAB))
         fully_shard(model)
@@ -475,26 +453,35 @@ def _fsdp_worker(rank: int, world: int, root: str, store: str) -> None:
             step(*ref, seed=s)
         torch.manual_seed(100 + rank)  # each rank's RNG differs and must come back to that rank
         state = make_state(2)
-        save_checkpoint(Path(root), 2, *ref, state, fmt="dcp")
+        save(Path(root) / "dcp", 2, ref, state, fmt="dcp")
+        # consolidated: gathered to rank 0; a sharded policy saves synchronously even when async is asked
+        writer = CheckpointWriter(Path(root) / "consolidated", async_save=True)
+        gathered = writer.save(2, *ref, state)
+        assert not writer.pending and verify_checkpoint(gathered) == []
         resumed = build_sharded(5)
-        loaded = load_checkpoint(find_latest_complete(Path(root)), *resumed)  # type: ignore[arg-type]
+        loaded = load_checkpoint(find_latest_complete(Path(root) / "dcp"), *resumed)  # type: ignore[arg-type]
         assert loaded.rng == state.rng
+        from_full = build_sharded(7)
+        assert load_checkpoint(gathered, *from_full).rng == state.rng
         for s in (2, 3):
-            step(*ref, seed=s)
-            step(*resumed, seed=s)
-        for a, b in zip(ref[0].parameters(), resumed[0].parameters()):
-            assert torch.equal(a.full_tensor(), b.full_tensor())
+            for trio in (ref, resumed, from_full):
+                step(*trio, seed=s)
+        for a, b, c in zip(ref[0].parameters(), resumed[0].parameters(), from_full[0].parameters()):
+            assert torch.equal(a.full_tensor(), b.full_tensor()) and torch.equal(a.full_tensor(), c.full_tensor())
         dist.barrier()  # no rank leaves while its peer is still in the last collective
     finally:
         dist.destroy_process_group()
     os._exit(0)  # as exit_rank_process does: gloo's threads may abort a finalizing interpreter
 
 
-def test_dcp_two_ranks_fsdp_round_trip(tmp_path: Path) -> None:
+def test_two_ranks_fsdp_round_trips(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_fsdp_worker, args=(2, str(tmp_path / "ckpt"), str(tmp_path / "store")), nprocs=2)
-    path = tmp_path / "ckpt" / iter_name(2)
-    assert verify_checkpoint(path) == []
-    assert {"training_state.json", "training_state.rank00001.json"} <= set(read_manifest(path)["files"])
-    assert read_manifest(path)["world_size"] == 2
+    for fmt in ("dcp", "consolidated"):
+        path = tmp_path / "ckpt" / fmt / iter_name(2)
+        manifest = read_manifest(path)
+        assert verify_checkpoint(path) == [] and manifest["checkpoint_format"] == fmt
+        assert {"training_state.json", "training_state.rank00001.json"} <= set(manifest["files"])
+        assert manifest["world_size"] == 2
+    assert read_manifest(tmp_path / "ckpt" / "consolidated" / iter_name(2))["optimizer_layout"] == "fqn"

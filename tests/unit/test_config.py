@@ -11,8 +11,8 @@ import pytest
 
 from posttrain.config.loading import apply_overrides, build_config, known_keys, load_recipe, parse_overrides
 from posttrain.config.schema import GRPOConfig
-from posttrain.config.validate import preflight
 from posttrain.errors import ConfigError
+from posttrain.preflight.grpo import grpo_preflight as preflight
 
 
 def test_overrides_are_yaml_typed() -> None:
@@ -82,7 +82,9 @@ def test_every_field_is_documented() -> None:
                 missing += walk(ann, f"{prefix}{name}.")
         return missing
 
-    assert walk(GRPOConfig) == []
+    from posttrain.config.opd import OPDConfig
+
+    assert walk(GRPOConfig) == [] and walk(OPDConfig) == []
     assert "rl.optimizer.lr" in known_keys() and "grid.shapes.policy" in known_keys()
 
 

@@ -202,7 +202,12 @@ def test_jsonl_state_dict_continues_exactly(tmp_path: Path) -> None:
         (
             '{"prompt": [{"role": "user", "content": 5}], "answer": 1}',
             {},
-            "content must be a string or a list",
+            "message 0 content must be a string, got int 5",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "answer": 1}',
+            {},
+            r"message 0 content must be a string, got a list of content parts \(multimodal",
         ),
         (
             '{"q": "x", "a": 1}',
@@ -418,7 +423,7 @@ def test_check_data_config_reports_problems(tmp_path: Path) -> None:
         (DataConfig(path=no_answer), r"na.jsonl line 1: response column 'answer' is missing"),
         (DataConfig(path=good, prompt_column="q"), r"good.jsonl line 1: missing prompt column 'q'"),
         (DataConfig(path=str(tmp_path / "empty.jsonl")), "has no rows"),
-        (DataConfig(path=str(tmp_path / "latin.jsonl")), "cannot read JSONL file"),
+        (DataConfig(path=str(tmp_path / "latin.jsonl")), r"latin.jsonl line 1 column 16: not valid UTF-8 \(byte 0xe9"),
         (DataConfig(name=str(tmp_path / "nods")), "is not a directory"),
         (DataConfig(name=str(tmp_path / "notds")), "is not a dataset written by"),
         (DataConfig(name=dict_name), r"has no split 'train'; it has \['test'\]"),

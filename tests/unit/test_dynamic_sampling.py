@@ -17,7 +17,6 @@ import torch
 
 from posttrain.algorithm.advantages import group_advantages, group_reward_spread
 from posttrain.config.loading import build_config
-from posttrain.config.validate import preflight
 from posttrain.errors import PosttrainError, TrainingError
 from posttrain.loop.dynamic_sampling import (
     DynamicSamplingBudgetError,
@@ -27,6 +26,7 @@ from posttrain.loop.dynamic_sampling import (
     collect_dynamic_for,
     dynamic_sampling_log_line,
 )
+from posttrain.preflight.grpo import grpo_preflight as preflight
 from posttrain.rewards.base import RewardInput
 from posttrain.rewards.registry import get_reward, score_completions
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from posttrain.config.loading import build_config
-from posttrain.config.validate import preflight
+from posttrain.preflight.grpo import grpo_preflight as preflight
 
 LOCAL_ENGINES = "with grid.gpu_placement=colocated every policy rank holds one colocated rollout engine"
 PYTHON_IMPORTTIME = [sys.executable, "-X", "importtime", "-m"]

@@ -1,4 +1,5 @@
-"""Every OPD config rejection of the spec, through ``posttrain opd --validate-manifest`` (no model loads)."""
+"""Every OPD config rejection of the spec, through ``posttrain opd --validate-manifest`` (no model loads),
+and the shape of ``OPDConfig``: the shared run config without GRPO's own knobs."""
 
 from __future__ import annotations
 
@@ -34,10 +35,11 @@ def test_shipped_recipes_are_valid(capsys: pytest.CaptureFixture[str], tiny_mode
 @pytest.mark.parametrize(
     ("overrides", "needles"),
     [
-        (["rl.min_informative_groups=2"], ["rl.min_informative_groups=2", "GRPO-only"]),
-        (["rl.min_informative_groups_frac=0.5"], ["rl.min_informative_groups_frac=0.5", "GRPO-only"]),
-        (["rl.importance_sampling_level=sequence"], ["rl.importance_sampling_level=sequence", "needs token"]),
-        (["rl.kl_beta=0.1", "rl.ref.build_ref=true"], ["no reference role"]),
+        # GRPO's own knobs are unknown keys under OPD, each saying why
+        (["rl.min_informative_groups=2"], ["unknown key 'rl.min_informative_groups'", "GRPO-only"]),
+        (["rl.min_informative_groups_frac=0.5"], ["unknown key 'rl.min_informative_groups_frac'", "GRPO-only"]),
+        (["rl.importance_sampling_level=sequence"], ["unknown key 'rl.importance_sampling_level'", "per token"]),
+        (["rl.kl_beta=0.1", "rl.ref.build_ref=true"], ["'rl.kl_beta'", "'rl.ref.build_ref'", "no reference role"]),
         (["rl.score_centering.enabled=true"], ["score centering is a GRPO correction"]),
         (["rl.teacher.name_or_path=null"], ["rl.teacher.name_or_path is required"]),
         (["rl.teacher.input_mode=shared_vocab_multimodal"], ["takes no media", "input_mode=shared_vocab"]),
@@ -73,7 +75,7 @@ def test_direct_and_same_token_rejections(
         (["rl.teacher.top_k=4"], ["rl.teacher.top_k=4", "DPCA scores realized tokens only"]),
         (["rl.jsd_beta=0.5"], ["rl.jsd_beta=0.5", "advantage mode forms no divergence"]),
         (["rl.distillation_mode=direct", "rl.jsd_beta=1"], ["DPCA is advantage-only"]),
-        (["rl.kl_beta=0.2"], ["rl.kl_beta=0.2", "no reference role"]),
+        (["rl.kl_beta=0.2"], ["unknown key 'rl.kl_beta'", "no reference role"]),
         (["rollout.temperature=0.9"], ["rollout.temperature=0.9", "DPCA needs 1"]),
         (["rollout.top_p=0.9"], ["rollout.top_p=0.9", "DPCA needs 1"]),
         (["rollout.top_k=20"], ["rollout.top_k=20", "DPCA needs -1 (disabled)"]),
@@ -119,3 +121,106 @@ def test_missing_demo_students_say_how_to_make_them(
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path))
     assert opd_main(["--config", "opd_direct", "--validate-manifest"]) == 1
     assert "python -m posttrain.models.opd_demo" in capsys.readouterr().err
+
+
+GRPO_ONLY_WHY = {
+    "rl.min_informative_groups": "dynamic sampling is GRPO-only",
+    "rl.min_informative_groups_frac": "dynamic sampling is GRPO-only",
+    "rl.importance_sampling_level": "OPD's ratio is always per token",
+    "rl.kl_beta": "OPD has no reference role: the teacher is the anchor",
+    "rl.ref.build_ref": "OPD has no reference role: the teacher is the anchor",
+    "rl.score_centering.enabled": "score centering is a GRPO correction",
+    # the rest of GRPO's own knobs (no-ops under OPD before, unknown keys now)
+    "rl.kl_coeff_clamp": "OPD has no reference role",
+    "rl.ref.model_dir": "OPD has no reference role",
+    "rl.score_centering.compose": "score centering is a GRPO correction",
+    "rl.dynamic_sampling_max_extra_rollouts": "dynamic sampling is GRPO-only",
+}
+
+
+@pytest.mark.parametrize(("key", "why"), list(GRPO_ONLY_WHY.items()))
+def test_grpo_knobs_are_unknown_keys_that_say_why(key: str, why: str) -> None:
+    from posttrain.config.loading import apply_overrides
+    from posttrain.config.opd import OPDConfig
+    from posttrain.config.schema import GRPOConfig
+    from posttrain.errors import ConfigError
+
+    value = {
+        "rl.importance_sampling_level": "token",
+        "rl.ref.model_dir": "/m",
+        "rl.score_centering.compose": "tis",
+    }.get(key, 1)
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(OPDConfig(), [(key, value)])
+    [problem] = info.value.problems
+    assert problem.startswith(f"unknown key {key!r}: {key} is a GRPO knob; ") and problem.endswith(". Remove it")
+    assert why in problem
+    assert apply_overrides(GRPOConfig(), [(key, value)]) is not None  # a GRPO run still has it
+
+
+def test_grpo_knob_in_an_opd_recipe_says_why(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from posttrain.config.loading import load_recipe
+    from posttrain.config.opd import OPDConfig
+    from posttrain.errors import ConfigError
+
+    recipe = Path(str(tmp_path)) / "r.py"
+    recipe.write_text(
+        "from posttrain.config.opd import OPDConfig\n"
+        "def make_config():\n    return OPDConfig(rl={'kl_beta': 0.1, 'teacher': {'top_k': 4}})\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_recipe(str(recipe), OPDConfig)
+    assert info.value.problems == [
+        "unknown key 'rl.kl_beta': rl.kl_beta is a GRPO knob; OPD has no reference role: the teacher is the "
+        "anchor. Remove it"
+    ]
+
+
+def test_opd_config_is_the_shared_config_without_grpo_knobs() -> None:
+    from posttrain.config.loading import known_keys
+    from posttrain.config.opd import OPDConfig
+    from posttrain.config.schema import GRPOConfig, RunConfig
+
+    assert issubclass(OPDConfig, RunConfig) and not issubclass(OPDConfig, GRPOConfig)
+    grpo, opd = set(known_keys(GRPOConfig)), set(known_keys(OPDConfig))
+    only_grpo = {k for k in grpo - opd if k.count(".") == 1}
+    assert only_grpo == {
+        "rl.importance_sampling_level",
+        "rl.kl_beta",
+        "rl.kl_coeff_clamp",
+        "rl.ref",
+        "rl.score_centering",
+        "rl.min_informative_groups",
+        "rl.min_informative_groups_frac",
+        "rl.dynamic_sampling_max_extra_rollouts",
+        "rl.dynamic_sampling_on_budget_exhausted",
+        "rl.dynamic_sampling_refill_dispatch",
+        "rl.dynamic_sampling_refill_mode",
+    }
+    only_opd = {k for k in opd - grpo if k.count(".") == 1}
+    assert only_opd == {
+        "rl.teacher",
+        "rl.distillation_mode",
+        "rl.jsd_beta",
+        "rl.kl_penalty_coef",
+        "rl.n_ignore_prefix_tokens",
+    }
+    dumped = OPDConfig().model_dump(mode="json")["rl"]
+    assert not set(dumped) & {k.removeprefix("rl.") for k in only_grpo}
+
+
+def test_what_shared_code_reads_on_an_opd_run() -> None:
+    """Transitional read-only properties (config/opd.py): OPD's fixed values of GRPO's knobs, equal to
+    GRPO's defaults, so an OPD run's objective and resume identity are what they were."""
+    from posttrain.config.opd import OPDConfig
+    from posttrain.config.schema import GRPOConfig
+
+    opd, grpo = OPDConfig().rl, GRPOConfig().rl
+    for name in ("importance_sampling_level", "kl_beta", "kl_coeff_clamp", "effective_min_informative_groups"):
+        assert getattr(opd, name) == getattr(grpo, name), name
+    assert opd.ref == grpo.ref and opd.ref.build_ref is False and opd.ref.model_dir is None
+    assert opd.score_centering == grpo.score_centering and opd.score_centering.enabled is False
+    with pytest.raises(AttributeError):
+        opd.kl_beta = 0.1  # type: ignore[misc]

@@ -1,4 +1,4 @@
-"""Pure tensor math of the objectives: advantages, the GRPO family, KL, mismatch corrections.
+"""Pure tensor math of the objectives: advantages, the GRPO family, KL, mismatch corrections, OPD credit.
 
 Nothing here does I/O, talks to other processes or syncs with the device (no ``.item()``): global
 quantities such as the step's token count arrive as arguments.
@@ -21,20 +21,12 @@ if TYPE_CHECKING:
         mis_weights,
         tis_weights,
     )
+    from posttrain.algorithm.credit import opd_token_advantages
     from posttrain.algorithm.kl import k3_kl, k3_kl_with_clamped_grad
-    from posttrain.algorithm.objectives import (
-        REDUCTIONS,
-        LossInputs,
-        LossNormalizer,
-        LossStats,
-        ObjectiveSpec,
-        clipped_surrogate,
-        legacy_pg_surrogate,
-        policy_loss,
-        reduce_loss,
-        sequence_ratio,
-        token_ratio,
-    )
+    from posttrain.algorithm.loss_types import LossInputs, LossNormalizer, LossStats, ObjectiveSpec
+    from posttrain.algorithm.objectives import policy_loss
+    from posttrain.algorithm.reductions import REDUCTIONS, reduce_loss
+    from posttrain.algorithm.surrogates import clipped_surrogate, legacy_pg_surrogate, sequence_ratio, token_ratio
 
 _SUBMODULE_OF = {
     **dict.fromkeys(["group_advantages", "group_reward_spread", "informative_groups"], "advantages"),
@@ -42,22 +34,11 @@ _SUBMODULE_OF = {
         ["CenteredScore", "center_score", "importance_weights", "mis_weights", "tis_weights"], "corrections"
     ),
     **dict.fromkeys(["k3_kl", "k3_kl_with_clamped_grad"], "kl"),
-    **dict.fromkeys(
-        [
-            "REDUCTIONS",
-            "LossInputs",
-            "LossNormalizer",
-            "LossStats",
-            "ObjectiveSpec",
-            "clipped_surrogate",
-            "legacy_pg_surrogate",
-            "policy_loss",
-            "reduce_loss",
-            "sequence_ratio",
-            "token_ratio",
-        ],
-        "objectives",
-    ),
+    **dict.fromkeys(["opd_token_advantages"], "credit"),
+    **dict.fromkeys(["LossInputs", "LossNormalizer", "LossStats", "ObjectiveSpec"], "loss_types"),
+    **dict.fromkeys(["policy_loss"], "objectives"),
+    **dict.fromkeys(["REDUCTIONS", "reduce_loss"], "reductions"),
+    **dict.fromkeys(["clipped_surrogate", "legacy_pg_surrogate", "sequence_ratio", "token_ratio"], "surrogates"),
 }
 
 
@@ -85,6 +66,7 @@ __all__ = [
     "k3_kl_with_clamped_grad",
     "legacy_pg_surrogate",
     "mis_weights",
+    "opd_token_advantages",
     "policy_loss",
     "reduce_loss",
     "sequence_ratio",

@@ -21,8 +21,14 @@ def group_advantages(rewards_NG: Tensor, *, unbiased: bool, eps: float = 1e-6) -
     ``A = r - mean_group(r)``, then divided by ``std_group(r) + eps`` unless ``unbiased``
     (Dr-GRPO). The std is the *sample* std (Bessel's correction, ``torch.std``'s default), as in
     the GRPO reference implementations; a group of one member has no spread, so its std is taken
-    as 0 rather than NaN and its advantage is exactly 0. Ties give exactly 0 as well: the centred
-    rewards are 0 before any division.
+    as 0 rather than NaN.
+
+    A tied group (every reward exactly equal, a group of one included: ``group_reward_spread == 0``,
+    the same test :func:`informative_groups` makes) gets exactly 0 for every member, in both modes.
+    The arithmetic alone does not ensure that: the mean of equal rewards that are not dyadic does
+    not round back to them (``[0.9] * 3`` in float32 centres to 6e-8, and dividing that by a std
+    of the same rounding noise gives 0.056), so tied groups are selected exactly and zeroed. Every
+    other group keeps the plain formula above, bit for bit; a NaN or infinite reward never ties.
 
     Computed in at least float32 (integer or bfloat16 rewards are promoted).
     """
@@ -32,17 +38,28 @@ def group_advantages(rewards_NG: Tensor, *, unbiased: bool, eps: float = 1e-6) -
     r_NG = rewards_NG.to(dtype)
     centred_NG = r_NG - r_NG.mean(dim=1, keepdim=True)
     if unbiased:
-        return centred_NG
-    if r_NG.shape[1] < 2:
+        advantages_NG = centred_NG
+    elif r_NG.shape[1] < 2:
         # Bessel's std of one sample is 0/0; the group has no spread and its advantage is 0.
-        std_N1 = torch.zeros_like(r_NG[:, :1])
+        advantages_NG = centred_NG / (torch.zeros_like(r_NG[:, :1]) + eps)
     else:
-        std_N1 = r_NG.std(dim=1, keepdim=True, correction=1)
-    return centred_NG / (std_N1 + eps)
+        advantages_NG = centred_NG / (r_NG.std(dim=1, keepdim=True, correction=1) + eps)
+    if r_NG.shape[1] == 0:
+        return advantages_NG
+    return torch.where(_tied_groups(rewards_NG)[:, None], torch.zeros_like(advantages_NG), advantages_NG)
+
+
+def _tied_groups(rewards_NG: Tensor) -> Tensor:
+    """Boolean ``[N]``: every reward equals the group's first, and it is finite. Decided on the
+    rewards as given (before any promotion), so it holds exactly where ``group_reward_spread`` is 0."""
+    first_N1 = rewards_NG[:, :1]
+    return (rewards_NG == first_N1).all(dim=1) & torch.isfinite(first_N1[:, 0])
 
 
 def group_reward_spread(rewards_NG: Tensor) -> Tensor:
-    """``max - min`` of each group's rewards, shape ``[N]`` (0 for a tied group or a group of one)."""
+    """``max - min`` of each group's rewards, shape ``[N]``: exactly 0 for a tied group or a group of
+    one (a difference of finite floats is 0 only when they are equal), NaN when a reward is NaN or
+    the max and min are the same infinity. :func:`group_advantages` zeroes exactly the groups where it is 0."""
     if rewards_NG.dim() != 2:
         raise ValueError(f"rewards_NG must be 2-D (groups x members), got shape {tuple(rewards_NG.shape)}")
     return rewards_NG.amax(dim=1) - rewards_NG.amin(dim=1)
@@ -52,6 +69,7 @@ def informative_groups(rewards_NG: Tensor, threshold: float = 0.0) -> Tensor:
     """Boolean ``[N]``: groups whose reward spread exceeds ``threshold`` (strictly).
 
     With the default threshold 0 a group is informative exactly when not all its rewards tie,
-    i.e. when it can contribute a nonzero gradient (DAPO dynamic sampling, arXiv 2503.14476 §3.2).
+    i.e. when :func:`group_advantages` does not zero it and it can contribute a nonzero gradient
+    (DAPO dynamic sampling, arXiv 2503.14476 §3.2).
     """
     return group_reward_spread(rewards_NG) > threshold

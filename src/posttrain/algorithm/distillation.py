@@ -15,7 +15,8 @@ The per-position divergence is the generalized Jensen-Shannon divergence of GKD 
 §3) with mixture ``M = β·P_T + (1-β)·P_S``; see :func:`generalized_jsd` for the beta limits
 (β = 0 forward KL, β = 1 reverse KL, the usual on-policy distillation choice). The trainer reduces
 the per-token values with :func:`posttrain.algorithm.objectives.reduce_loss`, so the micro-batch
-and rank normalisation of the GRPO objectives applies unchanged.
+and rank normalisation of the GRPO objectives applies unchanged; :func:`direct_distillation_policy_loss`
+is the form the trainer calls (``LossInputs`` in, ``LossStats`` out, like ``policy_loss``).
 
 Pure tensor math: no I/O, no process groups; the one host sync is in the payload validation
 (once per batch, before training).
@@ -33,7 +34,9 @@ import math
 import torch
 from torch import Tensor
 
-from posttrain.algorithm.objectives import LossNormalizer, reduce_loss
+from posttrain.algorithm.loss_types import LossInputs, LossNormalizer, LossStats
+from posttrain.algorithm.objectives import gap_stats
+from posttrain.algorithm.reductions import reduce_loss
 from posttrain.errors import PosttrainError
 
 RESIDUAL_FLOOR = 1e-6
@@ -295,4 +298,34 @@ def direct_distillation_loss(  # noqa: PLR0917 (the trainer's documented positio
         "teacher_residual_mass_sum": torch.where(keep_BT, teacher_BTC[..., -1].exp(), zeros_BT).sum(),
         "student_residual_mass_sum": torch.where(keep_BT, student_BTC[..., -1].detach().exp(), zeros_BT).sum(),
     }
+    return loss, stats
+
+
+def direct_distillation_policy_loss(
+    inputs: LossInputs, norm: LossNormalizer, *, beta: float, loss_type: str, max_tokens: int = 1
+) -> tuple[Tensor, LossStats]:
+    """Direct OPD in the trainer's form: one micro-batch's ``LossInputs`` in, its share of the step
+    loss and its ``LossStats`` out (the counterpart of ``objectives.policy_loss``).
+
+    The loss is :func:`direct_distillation_loss` of the inputs' student and teacher top-k views over
+    ``mask_BT`` (the trainer has already masked ``rl.n_ignore_prefix_tokens``). Stats: its loss,
+    token, sequence and divergence sums (``train/opd_divergence``), zero clipped tokens (no ratio),
+    and the train/inference logprob gap when the rollout recorded sampler logprobs.
+    """
+    teacher_BTK, student_BTK = inputs.teacher_topk_logprobs_BTK, inputs.student_topk_logprobs_BTK
+    if teacher_BTK is None or student_BTK is None:
+        raise ValueError("direct distillation needs teacher_topk_logprobs_BTK and student_topk_logprobs_BTK")
+    mask_BT = inputs.mask_BT > 0
+    loss, sums = direct_distillation_loss(
+        student_BTK, teacher_BTK, mask_BT, beta, loss_type, norm, max_tokens=max_tokens
+    )
+    lp_BT = inputs.logprobs_BT.to(torch.promote_types(inputs.logprobs_BT.dtype, torch.float32))
+    stats = LossStats(
+        loss_sum=sums["loss_sum"],
+        loss_tokens=sums["tokens"],
+        clipped_tokens=torch.zeros_like(sums["tokens"]),
+        seqs=sums["seqs"],
+        opd_divergence_sum=sums["divergence_sum"],
+        **gap_stats(inputs, lp_BT, mask_BT),
+    )
     return loss, stats

@@ -1,4 +1,4 @@
-"""Run lifecycle: checkpoints (save, verify, resume, retention), RNG state, provenance, HF export, signals.
+"""Run lifecycle: checkpoints (save, verify, resume, retention), RNG state, provenance, HF export, stop signals.
 
 Layout of one attempt's checkpoints (``<run dir>/checkpoints/``)::
 
@@ -12,6 +12,13 @@ Layout of one attempt's checkpoints (``<run dir>/checkpoints/``)::
     iter_000000020.tmp-4242/   a save in progress (or interrupted): never resumed from
     latest_checkpoint.txt      names the newest complete iter_* directory, rewritten after each save
 
+Modules, one job each: ``layout`` (names, the latest pointer, ``TrainingState``), ``manifest``
+(the file list written last, hashing), ``writer`` (snapshot, payload, publish, retention:
+``CheckpointWriter``), ``reader`` (verify, find the newest complete one, resolve ``rl.resume``,
+load), ``rng``, ``provenance``, ``export`` (``posttrain export-hf``) and ``graceful_stop``
+(SIGTERM / SIGINT). What a resume must keep unchanged (the run identity) is the loop's policy:
+``posttrain.loop.resume``; this package stores that identity without interpreting it.
+
 This package module imports nothing heavy: ``provenance`` is stdlib-only so that stamping a run and
 ``python -m posttrain.checkpoint.provenance`` never import torch. The names below are re-exported
 lazily from the submodules that define them.
@@ -19,9 +26,24 @@ lazily from the submodules that define them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.errors import PosttrainError
+
+if TYPE_CHECKING:  # the lazy names, for type checkers
+    from posttrain.checkpoint.export import export_hf
+    from posttrain.checkpoint.graceful_stop import GracefulStop
+    from posttrain.checkpoint.layout import TrainingState
+    from posttrain.checkpoint.provenance import collect_provenance, hash_tree, write_provenance
+    from posttrain.checkpoint.reader import (
+        find_latest_complete,
+        load_checkpoint,
+        read_training_state,
+        resolve_resume,
+        verify_checkpoint,
+    )
+    from posttrain.checkpoint.rng import capture_rng, restore_rng
+    from posttrain.checkpoint.writer import CheckpointWriter
 
 
 class CheckpointError(PosttrainError):
@@ -29,41 +51,31 @@ class CheckpointError(PosttrainError):
 
 
 _LAZY = {
-    "TrainingState": "store",
-    "CheckpointWriter": "store",
-    "save_checkpoint": "store",
-    "wait_for_pending_save": "store",
-    "find_latest_complete": "store",
-    "verify_checkpoint": "store",
-    "load_checkpoint": "store",
-    "read_training_state": "store",
-    "check_resume_compatible": "store",
-    "resolve_resume": "store",
-    "anchor_hash": "store",
-    "resume_identity": "store",
+    "TrainingState": "layout",
+    "CheckpointWriter": "writer",
+    "find_latest_complete": "reader",
+    "verify_checkpoint": "reader",
+    "load_checkpoint": "reader",
+    "read_training_state": "reader",
+    "resolve_resume": "reader",
     "capture_rng": "rng",
     "restore_rng": "rng",
     "collect_provenance": "provenance",
     "write_provenance": "provenance",
     "hash_tree": "provenance",
     "export_hf": "export",
-    "GracefulStop": "signals",
+    "GracefulStop": "graceful_stop",
 }
 
 __all__ = [  # noqa: RUF022 (grouped by submodule, like _LAZY)
     "CheckpointError",
     "TrainingState",
     "CheckpointWriter",
-    "save_checkpoint",
-    "wait_for_pending_save",
     "find_latest_complete",
     "verify_checkpoint",
     "load_checkpoint",
     "read_training_state",
-    "check_resume_compatible",
     "resolve_resume",
-    "anchor_hash",
-    "resume_identity",
     "capture_rng",
     "restore_rng",
     "collect_provenance",

@@ -2,7 +2,7 @@
 
 The output (``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer
 files) loads with ``AutoModelForCausalLM.from_pretrained`` and in vLLM. The config and tokenizer
-come from the checkpoint's ``hf/`` directory, which ``save_checkpoint`` writes for Hugging Face
+come from the checkpoint's ``hf/`` directory, which ``CheckpointWriter`` writes for Hugging Face
 models (the tokenizer when the loop passes it); ``base_model_dir`` supplies them for a checkpoint
 without ``hf/`` (or adds a tokenizer that was not stored).
 
@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from posttrain.checkpoint import CheckpointError
+from posttrain.checkpoint.layout import HF_DIR
 from posttrain.checkpoint.manifest import MANIFEST_NAME, read_manifest
-from posttrain.checkpoint.store import HF_DIR, find_latest_complete, load_checkpoint, verify_checkpoint
+from posttrain.checkpoint.reader import find_latest_complete, load_checkpoint, verify_checkpoint
 
 _log = logging.getLogger("posttrain.checkpoint")
 

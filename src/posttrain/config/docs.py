@@ -19,7 +19,10 @@ HEADER = """# Configuration reference
 
 Generated from `posttrain.config.schema` by `python -m posttrain.config.docs`; do not edit by hand.
 Every key can be set in a recipe's `make_config()` or overridden after `--` on the command line
-(`posttrain grpo -- rl.max_steps=5`). Values after `--` are YAML: `null`, `true`, `[1,2]`, `1e-5`.
+(`posttrain grpo -- rl.max_steps=5`). Values after `--` are YAML 1.2 core-schema values: `null`, `true`,
+`5`, `0x1f`, `1e-5`, `[1,2]`, `{lr: 1e-5}`; anything else is text (`1:30`, `2024-02-30`, `yes`; `010` is 10).
+Tags (`!!int`), anchors and aliases are refused. Every number must be finite and every integer fit a signed
+64-bit integer.
 """
 
 
@@ -71,18 +74,25 @@ def _section(model: type[BaseModel], prefix: str, out: list[str]) -> None:
 OPD_HEADER = """
 # On-policy distillation (`posttrain opd`)
 
-An OPD recipe returns an `OPDConfig`: every key above, plus the keys below (docs/opd.md explains
-the teacher modes and which combinations the preflight accepts).
+An OPD recipe returns an `OPDConfig`: every key above except GRPO's own, plus the keys below
+(docs/opd.md explains the teacher modes and which combinations the preflight accepts).
 """
 
 
 def _opd_sections(out: list[str]) -> None:
-    """The keys OPD adds to the GRPO config: ``rl``'s new fields and the ``rl.teacher`` section."""
-    from posttrain.config.opd import OPDRLConfig, TeacherConfig
-    from posttrain.config.schema import RLConfig
+    """How OPD's keys differ from GRPO's: the GRPO knobs it lacks, ``rl``'s new fields and the
+    ``rl.teacher`` section (both lists computed from the models, so they cannot drift)."""
+    from posttrain.config.loading import known_keys
+    from posttrain.config.opd import OPDConfig, OPDRLConfig, TeacherConfig
+    from posttrain.config.schema import GRPORLConfig
 
     out.append(OPD_HEADER)
-    added = {k: f for k, f in OPDRLConfig.model_fields.items() if k not in RLConfig.model_fields and k != "teacher"}
+    opd_keys = set(known_keys(OPDConfig))
+    lacks = [k for k in known_keys(GRPOConfig) if k not in opd_keys]
+    lacks = [k for k in lacks if k.rpartition(".")[0] not in lacks]  # a section, not each of its keys
+    names = ", ".join(f"`{k}`" for k in lacks)
+    out.append(f"GRPO's own keys, which an OPD config does not have (setting one is an unknown key): {names}.\n")
+    added = {k: f for k, f in OPDRLConfig.model_fields.items() if k not in GRPORLConfig.model_fields and k != "teacher"}
     out.append("\n## `rl` (OPD additions)\n")
     out.append("| key | type | default | meaning |\n| --- | --- | --- | --- |")
     out.extend(_row(f"rl.{name}", field) for name, field in added.items())

@@ -1,38 +1,35 @@
 """Recipe loading and dotted overrides.
 
 A recipe is a Python file (or the name of a recipe shipped in ``posttrain.recipes``) defining
-``make_config()``. Overrides are ``dotted.key=value`` strings whose values are parsed as YAML, so
-``rl.max_steps=5`` is an int, ``grid.shapes.policy=[1,2]`` a list and ``rl.data.path=null`` None.
-Every problem (unknown keys, wrong types, out-of-range values) is collected and raised together in
-one ``ConfigError``; unknown keys come with the nearest known keys.
+``make_config()``. Overrides are ``dotted.key=value`` strings whose values are YAML 1.2 core-schema
+values (``config/yaml_values.py``), so ``rl.max_steps=5`` is an int, ``grid.shapes.policy=[1,2]`` a
+list, ``rl.data.path=null`` None and ``1:30`` or ``2024-02-30`` plain text. Every problem (unknown
+keys, wrong types, out-of-range values, unreadable values, a recipe that raises) is collected and
+raised in one ``ConfigError`` naming the key or the recipe file; unknown keys come with the nearest
+known keys, or, for a key a config type lacks on purpose (a GRPO knob under OPD), with why
+(``RunConfig.unknown_key_hints``). No YAML config files are read: recipes are Python.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import re
 import sys
-from collections.abc import Iterable
+import traceback
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
-from posttrain.config.schema import GRPOConfig
+from posttrain.config.schema import GRPOConfig, RunConfig
+from posttrain.config.yaml_values import OverrideValueError, parse_value
 from posttrain.errors import ConfigError
 
-
-class _OverrideLoader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-5`` as a string; users mean a float, as in YAML 1.2."""
-
-
-_OverrideLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
-    list("-+0123456789."),
-)
+ConfigT = TypeVar("ConfigT", bound=RunConfig)
+MAX_KEY_CHARS = 200  # far longer than any dotted key; a longer one is not echoed whole
 
 RECIPES_PACKAGE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 # The recipe each command runs without --config, by the config class it builds.
@@ -44,26 +41,35 @@ def builtin_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_PACKAGE_DIR.glob("*.py") if not p.name.startswith("_"))
 
 
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False for a name the OS cannot hold (too long, a NUL byte) instead of raising."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def resolve_recipe_path(recipe: str) -> Path:
     """A recipe argument as a file path: an existing file, or a shipped recipe's name."""
     path = Path(recipe)
-    if path.is_file():
+    if _is_file(path):
         return path
     shipped = RECIPES_PACKAGE_DIR / f"{recipe.removesuffix('.py')}.py"
-    if shipped.is_file() and "/" not in recipe:
+    if "/" not in recipe and _is_file(shipped):
         return shipped
     raise ConfigError(
         [
-            f"--config {recipe}: no such file, and no shipped recipe of that name "
+            f"--config {shown(recipe)}: no such file, and no shipped recipe of that name "
             f"(shipped: {', '.join(builtin_recipes())})"
         ]
     )
 
 
-def load_recipe(recipe: str | None, config_type: type[GRPOConfig] = GRPOConfig) -> GRPOConfig:
+def load_recipe(recipe: str | None, config_type: type[RunConfig] = GRPOConfig) -> RunConfig:
     """Run a recipe's ``make_config()``; ``None`` gives the embedded default recipe (``default`` for
     GRPO, ``opd_direct`` for OPD). The recipe must return exactly ``config_type``: a GRPO recipe given
-    to the OPD command (or the reverse) is refused with the command to use instead."""
+    to the OPD command (or the reverse) is refused with the command to use instead. Whatever the
+    recipe raises (it is user code) becomes a ``ConfigError`` naming the file, the line and the error."""
     if recipe is None:
         recipe = DEFAULT_RECIPES.get(config_type.__name__, "default")
     path = resolve_recipe_path(recipe)
@@ -75,21 +81,54 @@ def load_recipe(recipe: str | None, config_type: type[GRPOConfig] = GRPOConfig) 
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # a recipe is user code: report whatever it raised, with the file
-        raise ConfigError([f"--config {path}: importing the recipe failed: {exc!r}"]) from exc
+    except (Exception, SystemExit) as exc:  # a recipe is user code: report whatever it raised, with the file
+        raise ConfigError(
+            [f"--config {path}{_recipe_line(path, exc)}: importing the recipe failed: {_exc(exc)}"]
+        ) from exc
     make_config = getattr(module, "make_config", None)
     if not callable(make_config):
         raise ConfigError([f"--config {path}: the recipe defines no make_config() function"])
     try:
         config = make_config()
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from exc
+        raise ConfigError(format_validation_error(exc, config_type)) from exc
+    except (Exception, SystemExit) as exc:
+        raise ConfigError([_make_config_failed(path, exc, config_type)]) from exc
     if type(config) is not config_type:
         raise ConfigError([_wrong_config_type(path, config, config_type)])
     return config
 
 
-def _wrong_config_type(path: Path, config: object, expected: type[GRPOConfig]) -> str:
+def _exc(exc: BaseException) -> str:
+    return shown_text(repr(exc), 300)
+
+
+def _recipe_line(path: Path, exc: BaseException) -> str:
+    """`` line N``: the recipe's own line where ``exc`` was raised (its deepest frame in the file)."""
+    target = path.resolve()
+    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == target]
+    return f" line {lines[-1]}" if lines else ""
+
+
+_NO_SETTER = re.compile(r"property '(\w+)' of '(\w+)' object has no setter")
+
+
+def _make_config_failed(path: Path, exc: BaseException, config_type: type[RunConfig]) -> str:
+    """What to say when ``make_config()`` raised something other than a validation error."""
+    where = f"--config {path}{_recipe_line(path, exc)}"
+    match = _NO_SETTER.search(str(exc)) if isinstance(exc, AttributeError) else None
+    prefix = _section_prefixes(config_type).get(match.group(2)) if match else None
+    if match and prefix is not None:  # a read-only property: a knob this config type lacks on purpose
+        return f"{where}: make_config() sets {prefix}{match.group(1)}: " + _unknown_key_message(
+            prefix + match.group(1), config_type
+        )
+    hint = ""
+    if isinstance(exc, TypeError) and not _recipe_line(path, exc):
+        hint = "; make_config() is called with no arguments"
+    return f"{where}: make_config() raised {_exc(exc)}{hint}"
+
+
+def _wrong_config_type(path: Path, config: object, expected: type[RunConfig]) -> str:
     got = type(config).__name__
     commands = {"GRPOConfig": "posttrain grpo", "OPDConfig": "posttrain opd"}
     hint = f"; run it with `{commands[got]}`" if got in commands else ""
@@ -97,24 +136,54 @@ def _wrong_config_type(path: Path, config: object, expected: type[GRPOConfig]) -
 
 
 def parse_overrides(items: Iterable[str]) -> list[tuple[str, Any]]:
-    """``["rl.max_steps=5", ...]`` -> ``[("rl.max_steps", 5), ...]`` with YAML-typed values."""
+    """``["rl.max_steps=5", ...]`` -> ``[("rl.max_steps", 5), ...]`` with YAML 1.2 core-schema values;
+    an unreadable value is a problem naming the key, the value and what to write instead."""
+    parsed, problems = _parse_each(items)
+    if problems:
+        raise ConfigError(problems)
+    return parsed
+
+
+def _parse_each(items: Iterable[str]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """The overrides that parse, and a problem for each one that does not."""
     parsed: list[tuple[str, Any]] = []
     problems: list[str] = []
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            problems.append(f"override {item!r} is not of the form dotted.key=value")
+            problems.append(f"override {shown(item)} is not of the form dotted.key=value")
+            continue
+        if len(key) > MAX_KEY_CHARS:
+            problems.append(
+                f"override key {shown_text(key, 60)} ({len(key)} characters) is not a config key: keys are "
+                "dotted names such as rl.max_steps"
+            )
             continue
         try:
-            value = yaml.load(raw, Loader=_OverrideLoader) if raw.strip() else ""
-        except yaml.YAMLError as exc:
-            problems.append(f"override {key}: value {raw!r} is not valid YAML ({exc.__class__.__name__})")
+            value = parse_value(raw) if raw.strip() else ""
+        except OverrideValueError as exc:
+            problems.append(f"override {key}={shown(raw)}: {exc}")
             continue
         parsed.append((key, value))
-    if problems:
-        raise ConfigError(problems)
-    return parsed
+    return parsed, problems
+
+
+def shown_text(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """A value for an error message: its repr, shortened (a 5000-digit integer cannot even be
+    printed: Python refuses int-to-text conversions past 4300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"<an integer of {math.floor(math.log10(abs(value))) + 1} digits>"
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"<a {type(value).__name__} too large to show>"
+    return shown_text(text, limit)
 
 
 def known_keys(model: type[BaseModel] = GRPOConfig, prefix: str = "") -> list[str]:
@@ -130,6 +199,9 @@ def known_keys(model: type[BaseModel] = GRPOConfig, prefix: str = "") -> list[st
 
 
 def _unknown_key_message(key: str, model: type[BaseModel] = GRPOConfig) -> str:
+    hint = _key_hint(key, model)
+    if hint is not None:
+        return f"unknown key {key!r}: {hint}"
     keys = known_keys(model)
     close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
     if not close:
@@ -138,6 +210,16 @@ def _unknown_key_message(key: str, model: type[BaseModel] = GRPOConfig) -> str:
         close = [k for k in keys if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.75)]
     hint = f"; did you mean {', '.join(close[:3])}?" if close else ""
     return f"unknown key {key!r}{hint}"
+
+
+def _key_hint(key: str, model: type[BaseModel]) -> str | None:
+    """Why ``model`` lacks ``key`` when its ``unknown_key_hints`` says (OPD: the GRPO knobs it has
+    not); a hint for a section covers every key under it."""
+    hints: Mapping[str, str] = getattr(model, "unknown_key_hints", {})
+    for prefix, hint in hints.items():
+        if key == prefix or key.startswith(prefix + "."):
+            return hint.format(key=key)
+    return None
 
 
 def _set_dotted(tree: dict[str, Any], key: str) -> tuple[dict[str, Any], str] | None:
@@ -156,7 +238,7 @@ def _set_dotted(tree: dict[str, Any], key: str) -> tuple[dict[str, Any], str] | 
     return node, parts[-1]
 
 
-def apply_overrides(config: GRPOConfig, overrides: list[tuple[str, Any]]) -> GRPOConfig:
+def apply_overrides(config: ConfigT, overrides: list[tuple[str, Any]]) -> ConfigT:
     """A new config with the overrides applied; every unknown key or invalid value is reported."""
     tree = config.model_dump(mode="python")
     problems: list[str] = []
@@ -176,32 +258,94 @@ def apply_overrides(config: GRPOConfig, overrides: list[tuple[str, Any]]) -> GRP
     return validated
 
 
+def _section_prefixes(model: type[BaseModel], prefix: str = "") -> dict[str, str]:
+    """Each section class of ``model``'s tree by name -> its dotted prefix (``"OptimizerConfig"`` ->
+    ``"rl.optimizer."``): an error raised while a recipe assigns a field names only the field."""
+    found = {model.__name__: prefix}
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            for title, dotted in _section_prefixes(annotation, f"{prefix}{name}.").items():
+                found.setdefault(title, dotted)
+    return found
+
+
+_SEXAGESIMAL = re.compile(r"^[-+]?[0-9]+(?::[0-5]?[0-9])+$")
+
+
+def _value_hint(err: Mapping[str, Any]) -> str:
+    """What to write instead, where the error alone does not say."""
+    value = err.get("input")
+    if err["type"] in ("int_parsing", "float_parsing") and isinstance(value, str) and _SEXAGESIMAL.match(value):
+        sign = -1 if value.startswith("-") else 1
+        total = 0
+        for part in value.lstrip("+-").split(":"):
+            total = total * 60 + int(part)
+        return f" (override values are YAML 1.2, which reads no base-60 numbers: write {sign * total})"
+    if err["type"] == "finite_number":
+        return " (no setting takes inf or nan: write a finite number)"
+    return ""
+
+
+_BOUNDS = {
+    "greater_than": "greater than",
+    "greater_than_equal": "greater than or equal to",
+    "less_than": "less than",
+    "less_than_equal": "less than or equal to",
+}
+
+
+def _message(err: Mapping[str, Any]) -> str:
+    """Pydantic's message, with a bound written as Python writes it (``1e-30``; pydantic spells
+    every digit)."""
+    words, ctx = _BOUNDS.get(err["type"]), err.get("ctx") or {}
+    bound = next(iter(ctx.values()), None)
+    if words is not None and isinstance(bound, int | float):
+        return f"Input should be {words} {bound!r}"
+    return str(err["msg"])
+
+
 def format_validation_error(exc: ValidationError, model: type[BaseModel] = GRPOConfig) -> list[str]:
-    """Pydantic errors as ``field=value: what is wrong`` lines."""
+    """Pydantic errors as ``field=value: what is wrong`` lines, with the full dotted key also when a
+    recipe assigned one field of a section (the error then names only the field)."""
+    prefix = _section_prefixes(model).get(exc.title, "")
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(part) for part in err["loc"])
-        if err["type"] == "extra_forbidden":
+        loc = prefix + ".".join(str(part) for part in err["loc"])
+        if err["type"] in ("extra_forbidden", "no_such_attribute"):
             lines.append(_unknown_key_message(loc, model))
             continue
         value = err.get("input")
-        shown = value if not isinstance(value, dict) else "{...}"
-        lines.append(f"{loc}={shown!r}: {err['msg']}")
+        value_text = "{...}" if isinstance(value, dict) else shown(value)
+        lines.append(f"{loc}={value_text}: {_message(err)}{_value_hint(err)}")
     return lines
 
 
+@overload
+def build_config(recipe: str | None, override_items: Iterable[str] = ()) -> GRPOConfig: ...
+@overload
+def build_config(recipe: str | None, override_items: Iterable[str], config_type: type[ConfigT]) -> ConfigT: ...
 def build_config(
-    recipe: str | None, override_items: Iterable[str] = (), config_type: type[GRPOConfig] = GRPOConfig
-) -> GRPOConfig:
-    """The recipe with its overrides applied (not yet cross-validated: see ``validate``)."""
+    recipe: str | None, override_items: Iterable[str] = (), config_type: type[RunConfig] = GRPOConfig
+) -> RunConfig:
+    """The recipe with its overrides applied (not yet cross-validated: see ``posttrain.preflight``);
+    a ``GRPOConfig`` unless ``config_type`` says otherwise. Every unreadable and every invalid
+    override is reported in one ``ConfigError``."""
     config = load_recipe(recipe, config_type)
-    overrides = parse_overrides(override_items)
-    return apply_overrides(config, overrides) if overrides else config
+    overrides, problems = _parse_each(override_items)
+    if overrides:
+        try:
+            config = apply_overrides(config, overrides)
+        except ConfigError as exc:
+            problems += exc.problems
+    if problems:
+        raise ConfigError(problems)
+    return config
 
 
 def build_config_best_effort(
-    recipe: str | None, override_items: Iterable[str], config_type: type[GRPOConfig] = GRPOConfig
-) -> GRPOConfig | None:
+    recipe: str | None, override_items: Iterable[str], config_type: type[RunConfig] = GRPOConfig
+) -> RunConfig | None:
     """The recipe with every override that is valid on its own applied, skipping the rest.
 
     ``--validate-manifest`` uses it after an invalid override so that the model-free checks still
@@ -209,9 +353,9 @@ def build_config_best_effort(
     """
     try:
         config = load_recipe(recipe, config_type)
-        overrides = parse_overrides(override_items)
     except ConfigError:
         return None
+    overrides, _unreadable = _parse_each(override_items)
     for item in overrides:
         try:
             config = apply_overrides(config, [item])

@@ -1,10 +1,13 @@
-"""The typed configuration of an on-policy distillation (OPD) run, and its cross-field rules.
+"""The typed configuration of an on-policy distillation (OPD) run.
 
-OPD is the GRPO loop plus a frozen teacher (``rl.teacher.*``): the student samples, the teacher
+OPD is the shared loop plus a frozen teacher (``rl.teacher.*``): the student samples, the teacher
 scores the same completion, and the objective is swapped (spec: ../shared/spec/opd.md).
-``OPDConfig`` extends ``GRPOConfig``, so every GRPO knob keeps its meaning; ``opd_preflight``
-runs GRPO's model-free checks plus the rules below, all before any model loads (and under
-``--validate-manifest``). Nothing here imports torch.
+``OPDConfig`` is a ``RunConfig`` (``job``, ``model``, ``rollout``, ``grid`` and the shared ``rl``
+knobs of ``BaseRLConfig``) with OPD's own ``rl`` part; it has none of GRPO's own knobs (dynamic
+sampling, the KL reference, score centering, the importance-sampling level), and setting one is an
+unknown key whose message says why (``unknown_key_hints``). OPD's cross-field rules run in
+``posttrain.preflight.opd`` before any model loads (and under ``--validate-manifest``). Nothing here
+imports torch.
 
 Valid teacher combinations (text models):
 
@@ -17,20 +20,21 @@ Valid teacher combinations (text models):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from posttrain.config.schema import GRPOConfig, RLConfig, _Section
-from posttrain.config.validate import Findings, check_model_path, preflight
+from posttrain.config.schema import BaseRLConfig, RefConfig, RunConfig, ScoreCenteringConfig
+from posttrain.config.section import Section
 
 InputMode = Literal["shared_vocab", "cross_token_text", "shared_vocab_multimodal", "cross_token_multimodal"]
 SignalMode = Literal["topk", "dpca"]
 DistillationMode = Literal["direct", "advantage"]
 
 
-class TeacherConfig(_Section):
+class TeacherConfig(Section):
     """The frozen teacher: it scores the student's realized completions and never receives weights."""
 
     name_or_path: str | None = None
@@ -70,13 +74,14 @@ class TeacherConfig(_Section):
     is retried up to this many attempts in all, then the run stops with the last error."""
     dpca_max_chunk_tokens: int = Field(32, ge=1)
     """Alignment guard: a DPCA chunk longer than this many tokens on either side (a long run where
-    the two tokenizations never share a boundary) fails the batch instead of being force-closed."""
+    the two tokenizations never share a boundary) gets no credit (``train/opd_dpca_too_long_chunk_count``)
+    instead of being force-closed; the chunks around it keep theirs."""
     batch_size: int = Field(64, ge=1)
     """Sequences per teacher forward pass (``backend=hf``); memory only."""
 
 
-class OPDRLConfig(RLConfig):
-    """The GRPO loop's knobs plus the teacher and the distillation objective."""
+class OPDRLConfig(BaseRLConfig):
+    """The loop's shared knobs plus the teacher and the distillation objective."""
 
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     """The frozen teacher."""
@@ -95,17 +100,83 @@ class OPDRLConfig(RLConfig):
     """The first N completion tokens carry no teacher signal (credit zeroed in ``advantage`` mode,
     masked from the divergence in ``direct`` mode)."""
 
+    # What shared code reads on an OPD run: OPD has none of these GRPO knobs (setting one is an unknown
+    # key), but policy/trainer.py (objective_spec, build_reference), loop/collect.py, loop/run_dir.py
+    # and loop/resume.py still read them from any config. These read-only properties give OPD's
+    # values; remove each once shared code no longer reads it (the trainer taking its objective from
+    # the recipe). The resume identity of an OPD run reads them too, so keep the values unchanged.
+    @property
+    def importance_sampling_level(self) -> Literal["token"]:
+        """Always ``token``: OPD's advantage objective scores a token-level ratio, direct mode none."""
+        return "token"
 
-class OPDConfig(GRPOConfig):
-    """A whole on-policy distillation run: the GRPO loop with a teacher and a distillation objective."""
+    @property
+    def kl_beta(self) -> float:
+        """Always 0: OPD has no reference role (the teacher is the anchor)."""
+        return 0.0
 
-    algorithm: Literal["opd"] = "opd"  # type: ignore[assignment]
+    @property
+    def kl_coeff_clamp(self) -> float | None:
+        """Always ``None`` (no KL term to clamp)."""
+        return None
+
+    @property
+    def ref(self) -> RefConfig:
+        """Always the unbuilt reference (``build_ref=false``, no ``model_dir``)."""
+        return RefConfig()
+
+    @property
+    def score_centering(self) -> ScoreCenteringConfig:
+        """Always disabled: score centering is a GRPO correction."""
+        return ScoreCenteringConfig()
+
+    @property
+    def effective_min_informative_groups(self) -> int:
+        """Always 0: no dynamic sampling, every trajectory trains."""
+        return 0
+
+
+def _grpo_knob(why: str) -> str:
+    """The unknown-key hint of a GRPO knob OPD lacks (``{key}`` is filled in by config/loading.py)."""
+    return "{key} is a GRPO knob; " + why + ". Remove it"
+
+
+_NO_DYNAMIC_SAMPLING = _grpo_knob(
+    "dynamic sampling is GRPO-only: on-policy distillation trains on every trajectory regardless of reward spread"
+)
+_NO_REFERENCE = _grpo_knob("OPD has no reference role: the teacher is the anchor")
+
+# Why OPD lacks a GRPO key (a key, or a section prefix), shown in the unknown-key error.
+GRPO_ONLY_HINTS: Mapping[str, str] = {
+    "rl.min_informative_groups": _NO_DYNAMIC_SAMPLING,
+    "rl.min_informative_groups_frac": _NO_DYNAMIC_SAMPLING,
+    "rl.dynamic_sampling_max_extra_rollouts": _NO_DYNAMIC_SAMPLING,
+    "rl.dynamic_sampling_on_budget_exhausted": _NO_DYNAMIC_SAMPLING,
+    "rl.dynamic_sampling_refill_dispatch": _NO_DYNAMIC_SAMPLING,
+    "rl.dynamic_sampling_refill_mode": _NO_DYNAMIC_SAMPLING,
+    "rl.importance_sampling_level": _grpo_knob(
+        "OPD's ratio is always per token (its advantage objective scores a token-level ratio and direct "
+        "mode forms none)"
+    ),
+    "rl.kl_beta": _NO_REFERENCE,
+    "rl.kl_coeff_clamp": _NO_REFERENCE,
+    "rl.ref": _NO_REFERENCE,
+    "rl.score_centering": _grpo_knob("score centering is a GRPO correction; OPD has none"),
+}
+
+
+class OPDConfig(RunConfig):
+    """A whole on-policy distillation run: the shared loop with a teacher and a distillation objective."""
+
+    algorithm: Literal["opd"] = "opd"
     """Always ``opd``."""
     rl: OPDRLConfig = Field(default_factory=OPDRLConfig)
     """The loop, the teacher and the objective."""
 
+    unknown_key_hints: ClassVar[Mapping[str, str]] = GRPO_ONLY_HINTS
+
     def resume_identity_extra(self) -> dict[str, object]:
-        """What a resume must find unchanged beyond GRPO's identity: the teacher's signal and
+        """What a resume must find unchanged beyond the identity every run pins: the teacher's signal and
         objective knobs, and the teacher itself (see :func:`teacher_fingerprint`)."""
         rl = self.rl
         t = rl.teacher
@@ -146,138 +217,3 @@ def teacher_fingerprint(name_or_path: str | None) -> str | None:
         else:
             digest.update(f"{rel}\0size={file.stat().st_size}\n".encode())
     return digest.hexdigest()
-
-
-# ------------------------------------------------------------------------------------------------
-# Cross-field rules
-# ------------------------------------------------------------------------------------------------
-
-
-def _neutral_sampling_problems(cfg: OPDConfig, why: str) -> list[str]:
-    """Advantage mode scores realized tokens by their likelihood, so sampling must be unwarped."""
-    ro, rl = cfg.rollout, cfg.rl
-    checks = [
-        ("rollout.temperature", ro.temperature, ro.temperature == 1.0, "1"),
-        ("rl.temperature", rl.temperature, rl.temperature == 1.0, "1"),
-        ("rollout.top_p", ro.top_p, ro.top_p == 1.0, "1"),
-        ("rollout.top_k", ro.top_k, ro.top_k <= 0, "-1 (disabled)"),
-        ("rollout.repetition_penalty", ro.repetition_penalty, ro.repetition_penalty == 1.0, "1"),
-    ]
-    return [f"{key}={value}: {why} needs {want}" for key, value, ok, want in checks if not ok]
-
-
-def _grpo_rejections(cfg: OPDConfig) -> list[str]:
-    """GRPO knobs OPD refuses."""
-    rl = cfg.rl
-    problems = []
-    for key in ("min_informative_groups", "min_informative_groups_frac"):
-        if getattr(rl, key) is not None:
-            problems.append(
-                f"rl.{key}={getattr(rl, key)}: dynamic sampling is GRPO-only; on-policy distillation trains on "
-                "every trajectory regardless of reward spread. Remove the knob"
-            )
-    if rl.importance_sampling_level != "token":
-        problems.append(
-            f"rl.importance_sampling_level={rl.importance_sampling_level}: OPD needs token (its advantage "
-            "objective scores a token-level ratio and direct mode forms none)"
-        )
-    if rl.kl_beta > 0 or rl.ref.build_ref:
-        problems.append(
-            f"rl.kl_beta={rl.kl_beta} / rl.ref.build_ref={rl.ref.build_ref}: OPD has no reference role; "
-            "the teacher is the anchor. Set rl.kl_beta=0 and rl.ref.build_ref=false"
-        )
-    if rl.score_centering.enabled:
-        problems.append("rl.score_centering.enabled=true: score centering is a GRPO correction; OPD refuses it")
-    return problems
-
-
-def _teacher_problems(cfg: OPDConfig) -> list[str]:
-    """The teacher's own fields."""
-    t, grid = cfg.rl.teacher, cfg.grid
-    problems = []
-    if t.name_or_path is None:
-        problems.append("rl.teacher.name_or_path is required: the teacher model directory")
-    if t.input_mode.endswith("_multimodal"):
-        plain = t.input_mode.removesuffix("_multimodal").replace("cross_token", "cross_token_text")
-        problems.append(
-            f"rl.teacher.input_mode={t.input_mode}: posttrain trains text models and takes no media; "
-            f"use rl.teacher.input_mode={plain}"
-        )
-    if t.scoring_temperature != 1.0:
-        problems.append(
-            f"rl.teacher.scoring_temperature={t.scoring_temperature}: must be 1 (the forced-sequence scoring "
-            "path returns raw logprobs; another value would not temperature-scale the teacher)"
-        )
-    if t.tensor_parallel_size > 1 and grid.backend != "ray":
-        problems.append(
-            f"rl.teacher.tensor_parallel_size={t.tensor_parallel_size} needs grid.backend=ray; the local "
-            "backend supports only TP 1"
-        )
-    if t.conditional_think_prefix is not None and t.input_mode != "cross_token_text":
-        problems.append(
-            "rl.teacher.conditional_think_prefix applies to input_mode=cross_token_text only (the same-vocabulary "
-            "teacher scores the student's own prompt tokens verbatim)"
-        )
-    return problems
-
-
-def _mode_problems(cfg: OPDConfig) -> list[str]:
-    """The three valid teacher / objective combinations and their requirements."""
-    rl = cfg.rl
-    t = rl.teacher
-    mode, signal, shared = rl.distillation_mode, t.signal_mode, not t.input_mode.startswith("cross_token")
-    problems = []
-    if signal == "topk" and not shared:
-        problems.append(
-            f"rl.teacher.signal_mode=topk with input_mode={t.input_mode}: top-k ids exist only when teacher and "
-            "student share a vocabulary; use signal_mode=dpca for a cross-tokenizer teacher"
-        )
-    if signal == "dpca" and shared:
-        problems.append(
-            f"rl.teacher.signal_mode=dpca with input_mode={t.input_mode}: DPCA aligns two tokenizations; "
-            "use input_mode=cross_token_text (or signal_mode=topk for a same-vocabulary teacher)"
-        )
-    if mode == "direct":
-        if signal != "topk":
-            problems.append("rl.distillation_mode=direct needs rl.teacher.signal_mode=topk (DPCA is advantage-only)")
-        if t.top_k < 1:
-            problems.append(f"rl.teacher.top_k={t.top_k}: direct mode needs a top-k support of at least 1")
-        if rl.jsd_beta is None:
-            problems.append("rl.jsd_beta=null: direct mode needs a beta in [0, 1] (1 = reverse KL, the usual choice)")
-        if rl.temperature != 1.0:
-            problems.append(f"rl.temperature={rl.temperature}: the student's scoring temperature must be 1 in OPD")
-        return problems
-    if rl.jsd_beta is not None:
-        problems.append(f"rl.jsd_beta={rl.jsd_beta}: advantage mode forms no divergence; set rl.jsd_beta=null")
-    if signal == "dpca" and t.top_k != 0:
-        problems.append(f"rl.teacher.top_k={t.top_k}: DPCA scores realized tokens only; set rl.teacher.top_k=0")
-    why = "DPCA" if signal == "dpca" else "advantage-mode OPD"
-    problems.extend(_neutral_sampling_problems(cfg, why))
-    return problems
-
-
-def opd_rules(cfg: OPDConfig, out: Findings) -> None:
-    """Every OPD-specific rule, appended to ``out``."""
-    out.errors.extend(_grpo_rejections(cfg))
-    out.errors.extend(_teacher_problems(cfg))
-    out.errors.extend(_mode_problems(cfg))
-    rl = cfg.rl
-    if rl.teacher.name_or_path is not None:
-        check_model_path("rl.teacher.name_or_path", rl.teacher.name_or_path, out)
-    if rl.distillation_mode == "advantage" and rl.kl_penalty_coef == 0:
-        out.warnings.append("rl.kl_penalty_coef=0 in advantage mode: the teacher credit is multiplied by 0")
-    for key, path in (
-        ("model.name_or_path", cfg.model.name_or_path),
-        ("rl.teacher.name_or_path", rl.teacher.name_or_path),
-    ):
-        if path and "opd-demo" in path and not Path(path).expanduser().exists():
-            out.errors.append(
-                f"{key}={path}: the demo students are made once with `python -m posttrain.models.opd_demo`"
-            )
-
-
-def opd_preflight(cfg: OPDConfig) -> Findings:
-    """GRPO's model-free checks plus OPD's rules, every problem at once."""
-    findings = preflight(cfg)
-    opd_rules(cfg, findings)
-    return findings

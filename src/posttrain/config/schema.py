@@ -1,26 +1,34 @@
-"""The typed configuration of a GRPO run.
+"""The typed configuration of a run: the sections every run shares, GRPO's own ``rl`` knobs and ``GRPOConfig``.
 
-Every field carries a docstring (it becomes the field's description, shown in errors and in
-docs/config.md, which a test regenerates from these models so the two cannot drift). Models forbid
-unknown keys. Rules that tie several fields together live in ``posttrain.config.validate`` so
-that ``--validate-manifest`` can report every problem at once instead of the first.
+``RunConfig`` holds what every run has (``job``, ``model``, ``rollout``, ``rl``, ``grid``);
+``BaseRLConfig`` the loop and objective knobs GRPO and OPD share; ``GRPORLConfig`` adds GRPO's own
+(the importance-sampling level, the KL reference, score centering, dynamic sampling). OPD's parts
+are in ``config/opd.py``, the topology section in ``config/grid.py``, and the base class every
+section derives from (unknown keys forbidden, finite numbers, 64-bit integers) in
+``config/section.py``. Every field carries a docstring (it becomes the field's description, shown
+in errors and in docs/config.md, which a test regenerates from these models so the two cannot
+drift). Models forbid unknown keys. Rules that tie several fields together live in the preflight
+(``posttrain.preflight``), not in pydantic validators: sections validate on assignment, so a
+cross-field validator would refuse a recipe halfway through setting two related knobs, and the
+preflight reports every problem (and every warning) at once instead of the first. This package
+imports nothing above it (no data, rewards, models, policy or loop) and no torch.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from posttrain.config.grid import GridConfig
+from posttrain.config.section import SEED_BOUND, Section
 
 ArithmeticOp = Literal["+", "-", "*"]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
-
-
-class JobConfig(_Section):
+class JobConfig(Section):
     """Where the run writes: ``$POSTTRAIN_OUTPUT_ROOT/<project>/<group>/<name>/<RUN_TS>/``."""
 
     project: str = "posttrain"
@@ -39,7 +47,7 @@ class JobConfig(_Section):
     """Print the per-step console line every N collected batches."""
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The policy model."""
 
     name_or_path: str = "embedded:smollm2-135m-instruct"
@@ -76,23 +84,26 @@ class ModelConfig(_Section):
     """Tokens per chunk when computing per-token logprobs; bounds the fp32 [tokens, vocab] buffer."""
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     """The rollout engine and its sampling controls."""
 
     backend: Literal["hf", "vllm"] = "hf"
     """``hf`` samples with transformers (works everywhere); ``vllm`` with a vLLM engine."""
     max_tokens: int = Field(16, ge=1)
     """Most new tokens per completion; a completion cut here has finish reason ``length``."""
-    temperature: float = Field(1.0, gt=0.0)
-    """Sampling temperature."""
+    temperature: float = Field(1.0, ge=1e-2, le=1e2)
+    """Sampling temperature, in [0.01, 100]: the engines divide logits by it, so a smaller value
+    overflows a bf16/fp32 logit to inf (then NaN probabilities), and above 100 every token is already
+    about equally likely."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling; 1 disables it."""
     top_k: int = -1
     """Top-k sampling; 0 or a negative value disables it."""
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    """Repetition penalty; 1 disables it."""
-    seed: int | None = 0
-    """Sampling seed: decides which completions are drawn for a prompt (vLLM: one seeded stream per
+    repetition_penalty: float = Field(1.0, ge=1e-2, le=1e2)
+    """Repetition penalty, in [0.01, 100]; 1 disables it. Seen tokens' logits are divided (positive)
+    or multiplied (negative) by it, so outside this range they overflow or vanish like a temperature."""
+    seed: int | None = Field(0, ge=0, lt=SEED_BOUND)
+    """Sampling seed, in [0, 2**63): decides which completions are drawn for a prompt (vLLM: one seeded stream per
     prompt, so a resumed run draws what the uninterrupted one drew). ``null``: not seeded, which
     vLLM samples faster (docs/benchmarks.md)."""
     sampler_logprobs_every: int = Field(1, ge=0)
@@ -130,7 +141,7 @@ class RolloutConfig(_Section):
     (the next weight sync restores the weights)."""
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """The prompt source. Leave ``path``, ``name`` and ``factory`` unset for the arithmetic generator."""
 
     path: str | None = None
@@ -170,7 +181,7 @@ class DataConfig(_Section):
         return "arithmetic"
 
 
-class OptimizerConfig(_Section):
+class OptimizerConfig(Section):
     """The policy optimizer."""
 
     name: Literal["adamw", "fusedadam", "muon"] = "adamw"
@@ -180,8 +191,10 @@ class OptimizerConfig(_Section):
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam betas."""
-    eps: float = Field(1e-8, gt=0.0)
-    """Adam's denominator floor; belongs to the loss reduction (see ``rl.loss_type``)."""
+    eps: float = Field(1e-8, ge=1e-30)
+    """Adam's denominator floor; belongs to the loss reduction (see ``rl.loss_type``). At least
+    1e-30: smaller values round to 0 in fp32/bf16 (smallest normal 1.2e-38), and a parameter whose
+    gradient is zero then updates by 0/0 = NaN."""
     weight_decay: float = Field(0.0, ge=0.0)
     """Decoupled weight decay."""
     grad_clip_norm: float | None = Field(1.0, gt=0.0)
@@ -203,7 +216,7 @@ class OptimizerConfig(_Section):
         return v
 
 
-class RefConfig(_Section):
+class RefConfig(Section):
     """The frozen reference for the KL term."""
 
     build_ref: bool = False
@@ -212,7 +225,7 @@ class RefConfig(_Section):
     """Anchor the reference at another checkpoint instead of the initial policy weights."""
 
 
-class ScoreCenteringConfig(_Section):
+class ScoreCenteringConfig(Section):
     """Score centering under the sampler's distribution (train/inference mismatch correction)."""
 
     enabled: bool = False
@@ -225,8 +238,8 @@ class ScoreCenteringConfig(_Section):
     """Truncation / masking threshold of the importance weight for ``tis`` / ``mis``."""
 
 
-class RLConfig(_Section):
-    """The GRPO loop and objective."""
+class BaseRLConfig(Section):
+    """The loop and objective knobs every run shares (GRPO and OPD extend it)."""
 
     max_steps: int = Field(60, ge=1)
     """Collected batches to train on."""
@@ -243,57 +256,41 @@ class RLConfig(_Section):
     """Lower clip bound: the ratio is clipped at ``1 - epsilon_low``."""
     epsilon_high: float = Field(0.2, ge=0.0)
     """Upper clip bound: the ratio is clipped at ``1 + epsilon_high`` (DAPO clip-higher: raise it)."""
-    temperature: float = Field(1.0, gt=0.0)
-    """Temperature applied to policy logits in the loss; keep it equal to ``rollout.temperature``."""
+    temperature: float = Field(1.0, ge=1e-2, le=1e2)
+    """Temperature applied to policy logits in the loss; keep it equal to ``rollout.temperature``.
+    In [0.01, 100], like ``rollout.temperature``: logits divided by less overflow to inf."""
     grpo_surrogate: Literal["clipped", "legacy_pg"] = "clipped"
     """``clipped``: PPO-style clipped ratio; ``legacy_pg``: plain policy gradient, no ratio."""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    """``token``: one ratio per token (GRPO); ``sequence``: one length-normalised ratio per
-    response (GSPO)."""
     loss_type: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-fixed"] = "token-mean"
     """Reduction: mean over all tokens; mean over sequences of each sequence's token mean; or mean
     over sequences of each token sum divided by ``rollout.max_tokens`` (Dr-GRPO)."""
     unbiased_advantage: bool = False
     """Do not divide the group-centred reward by the group std (Dr-GRPO)."""
-    advantage_eps: float = Field(1e-6, gt=0.0)
-    """Added to the group std before dividing."""
-    kl_beta: float = Field(0.0, ge=0.0)
-    """Weight of the k3 KL penalty toward the frozen reference; 0 disables it."""
-    kl_coeff_clamp: float | None = Field(None, gt=0.0)
-    """Bound (nats) on the k3 term's per-token gradient coefficient at ``exp(c) - 1``; the logged
-    KL stays exact. ``null``: unbounded (warns when ``kl_beta > 0``)."""
+    advantage_eps: float = Field(1e-6, ge=1e-30)
+    """Added to the group std before dividing. At least 1e-30: a smaller value rounds to 0 in fp32, and
+    a tied group would divide 0 by 0."""
     mask_truncated_completions: bool = False
     """Drop completions cut at ``rollout.max_tokens`` from the loss (DAPO overlong filtering)."""
     use_rollout_logprobs_for_loss: bool = False
     """Use the sampler's logprobs as pi_old in the ratio (needs untempered, unwarped sampling)."""
-    seed: int = 0
-    """Orders the prompts (and seeds the arithmetic generator)."""
+    seed: int = Field(0, ge=0, lt=SEED_BOUND)
+    """Orders the prompts (and seeds the arithmetic generator and the trainer's RNGs); in [0, 2**63),
+    which ``torch.manual_seed`` accepts."""
     data_seed_follows_rollout_seed: bool = False
     """Order prompts with ``rollout.seed`` instead of ``rl.seed``."""
     reward: str = "arithmetic"
     """Reward name (``arithmetic``, ``arithmetic_first``, ``exact_match``, ``gsm8k``, ``countdown``, ``nonempty``,
     ``constant``) or a ``module:function`` import path."""
+    reward_timeout_s: float = Field(60.0, ge=0.0, le=7 * 24 * 3600.0, allow_inf_nan=False)
+    """Seconds one reward call may take (per completion; per call for a batched reward) before the run
+    stops with an error naming the reward and the sample. The scorer runs in a worker thread, which is
+    abandoned on a timeout (a Python function cannot be killed). 0 disables the timeout and calls the
+    reward in the loop's own thread (for scorers that need the main thread, e.g. ``signal.alarm``). At
+    most a week (a longer wait overflows the thread's timer)."""
     data: DataConfig = Field(default_factory=DataConfig)
     """The prompt source."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """The optimizer."""
-    ref: RefConfig = Field(default_factory=RefConfig)
-    """The frozen reference."""
-    score_centering: ScoreCenteringConfig = Field(default_factory=ScoreCenteringConfig)
-    """Score centering."""
-    min_informative_groups: int | None = Field(None, ge=0)
-    """DAPO dynamic sampling: keep drawing until this many groups have non-tied rewards."""
-    min_informative_groups_frac: float | None = Field(None, gt=0.0, le=1.0)
-    """DAPO dynamic sampling as a share: ``ceil(f x groups_per_step)`` groups."""
-    dynamic_sampling_max_extra_rollouts: int = Field(4, ge=0)
-    """Most extra draw rounds per step."""
-    dynamic_sampling_on_budget_exhausted: Literal["raise", "proceed"] = "raise"
-    """When the budget is spent and the quota unmet: stop the run, or fill with tied groups."""
-    dynamic_sampling_refill_dispatch: Literal["per_round", "whole_budget"] = "per_round"
-    """One generate call per extra round, or the whole remaining budget in one call."""
-    dynamic_sampling_refill_mode: Literal["all_cells", "short_cells"] = "all_cells"
-    """Which data cells draw in a refill round: every cell, or only the cells still short of their
-    quota share (under ``whole_budget``: the cells short before the wide call)."""
     recipe_guard_severity: Literal["warn", "error"] = "warn"
     """Whether recipe-hygiene hazards warn or refuse the config."""
     save_every: int = Field(0, ge=0)
@@ -341,6 +338,56 @@ class RLConfig(_Section):
         """Prompt groups per collected batch."""
         return self.batch_per_replica // self.group_size
 
+    if TYPE_CHECKING:
+        # What shared code reads on an OPD run. GRPO declares these as fields (GRPORLConfig), OPD as
+        # read-only properties with its fixed values (config/opd.py OPDRLConfig); declared here for
+        # the type checker only, so that code typed against RunConfig reads them from either run.
+        # Readers: policy/trainer.py (objective_spec, build_reference), loop/collect.py,
+        # loop/run_dir.py (resolved config), loop/resume.py (ref anchor). Remove each once shared
+        # code no longer reads it (the trainer taking its objective from the recipe).
+        @property
+        def importance_sampling_level(self) -> Literal["token", "sequence"]: ...
+        @property
+        def kl_beta(self) -> float: ...
+        @property
+        def kl_coeff_clamp(self) -> float | None: ...
+        @property
+        def ref(self) -> RefConfig: ...
+        @property
+        def score_centering(self) -> ScoreCenteringConfig: ...
+        @property
+        def effective_min_informative_groups(self) -> int: ...
+
+
+class GRPORLConfig(BaseRLConfig):
+    """The GRPO loop and objective."""
+
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """``token``: one ratio per token (GRPO); ``sequence``: one length-normalised ratio per
+    response (GSPO)."""
+    kl_beta: float = Field(0.0, ge=0.0)
+    """Weight of the k3 KL penalty toward the frozen reference; 0 disables it."""
+    kl_coeff_clamp: float | None = Field(None, gt=0.0)
+    """Bound (nats) on the k3 term's per-token gradient coefficient at ``exp(c) - 1``; the logged
+    KL stays exact. ``null``: unbounded (warns when ``kl_beta > 0``)."""
+    ref: RefConfig = Field(default_factory=RefConfig)
+    """The frozen reference."""
+    score_centering: ScoreCenteringConfig = Field(default_factory=ScoreCenteringConfig)
+    """Score centering."""
+    min_informative_groups: int | None = Field(None, ge=0)
+    """DAPO dynamic sampling: keep drawing until this many groups have non-tied rewards."""
+    min_informative_groups_frac: float | None = Field(None, gt=0.0, le=1.0)
+    """DAPO dynamic sampling as a share: ``ceil(f x groups_per_step)`` groups."""
+    dynamic_sampling_max_extra_rollouts: int = Field(4, ge=0)
+    """Most extra draw rounds per step."""
+    dynamic_sampling_on_budget_exhausted: Literal["raise", "proceed"] = "raise"
+    """When the budget is spent and the quota unmet: stop the run, or fill with tied groups."""
+    dynamic_sampling_refill_dispatch: Literal["per_round", "whole_budget"] = "per_round"
+    """One generate call per extra round, or the whole remaining budget in one call."""
+    dynamic_sampling_refill_mode: Literal["all_cells", "short_cells"] = "all_cells"
+    """Which data cells draw in a refill round: every cell, or only the cells still short of their
+    quota share (under ``whole_budget``: the cells short before the wide call)."""
+
     @property
     def effective_min_informative_groups(self) -> int:
         """The one resolved dynamic-sampling quota the loop reads (0: dynamic sampling off)."""
@@ -350,80 +397,34 @@ class RLConfig(_Section):
         return self.min_informative_groups or 0
 
 
-class GridShapes(_Section):
-    """Role shapes: ``[REPLICAS, RANKS]``."""
-
-    policy: list[int] = Field(default_factory=lambda: [1, 1])
-    """``[1, POLICY_RANKS]``; POLICY_REPLICAS must be 1."""
-    rollout: list[int] = Field(default_factory=lambda: [1, 1])
-    """``[ROLLOUT_REPLICAS, ROLLOUT_RANKS]``; ROLLOUT_RANKS must equal ``rollout.tensor_parallel_size``."""
+# The name shared code and tests import: the GRPO run's ``rl`` section.
+RLConfig = GRPORLConfig
 
 
-class GridConfig(_Section):
-    """Topology."""
+class RunConfig(Section):
+    """What every run has: naming, the policy model, the rollout engine, the loop and the topology.
+    ``GRPOConfig`` and ``OPDConfig`` (``config/opd.py``) narrow ``algorithm`` and ``rl``."""
 
-    backend: Literal["local", "ray"] = "local"
-    """``local``: one process (or one torchrun world, TP 1); ``ray``: roles as Ray actors."""
-    gpu_placement: Literal["colocated", "disaggregated"] = "colocated"
-    """Whether rollout and policy share one device pool or own disjoint pools."""
-    shapes: GridShapes = Field(default_factory=GridShapes)
-    """Role shapes."""
-    ray_address: str | None = None
-    """Address of an existing Ray cluster; ``null`` starts a local one."""
-    dp_replicate: int = Field(1, ge=1)
-    """Policy data parallelism, replicated axis (HSDP): ``dp_replicate x dp_shard`` must equal
-    POLICY_RANKS. Each replica holds a whole sharded copy; 1 is plain FSDP over all policy ranks.
-    Every policy rank is one data cell either way."""
-    dp_shard: int | None = Field(None, ge=1)
-    """Policy data parallelism, sharded axis (FSDP): parameters, gradients and optimizer state are
-    split over this many ranks. ``null``: POLICY_RANKS // ``dp_replicate``."""
-    num_nodes: int | None = Field(None, ge=1)
-    """Nodes of the allocation, declared so that a too-small allocation is refused before anything
-    starts; ``null``: not declared (checked against torchrun's ``WORLD_SIZE`` when launched with it)."""
-    gpus_per_node: int | None = Field(None, ge=1)
-    """GPUs per node of the declared allocation (set together with ``num_nodes``)."""
-    collective_timeout_s: float = Field(600.0, gt=0)
-    """Seconds a collective between policy ranks may wait before it raises (a crashed or
-    desynchronised peer stops the run instead of hanging it). Generous: the first all-gather of a
-    large model includes its warm-up."""
-
-    @property
-    def policy_ranks(self) -> int:
-        """POLICY_RANKS: the second entry of ``shapes.policy``."""
-        return self.shapes.policy[-1]
-
-    @property
-    def rollout_gpus(self) -> int:
-        """GPUs the rollout engines take: ROLLOUT_REPLICAS x ROLLOUT_RANKS."""
-        return self.shapes.rollout[0] * self.shapes.rollout[-1]
-
-    @property
-    def gpus_needed(self) -> int:
-        """GPUs the shapes need: colocated roles share one pool, disaggregated ones own theirs."""
-        if self.gpu_placement == "colocated":
-            return max(self.policy_ranks, self.rollout_gpus)
-        return self.policy_ranks + self.rollout_gpus
-
-
-class GRPOConfig(_Section):
-    """A whole GRPO run."""
-
-    algorithm: Literal["grpo", "dr_grpo", "gspo"] = "grpo"
-    """Which member of the family this recipe names (the knobs below carry the semantics)."""
+    algorithm: str
+    """Which algorithm this recipe names."""
     job: JobConfig = Field(default_factory=JobConfig)
     """Run naming and sinks."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The policy model."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """The rollout engine."""
-    rl: RLConfig = Field(default_factory=RLConfig)
+    rl: BaseRLConfig
     """The loop and the objective."""
     grid: GridConfig = Field(default_factory=GridConfig)
     """Topology."""
 
+    unknown_key_hints: ClassVar[Mapping[str, str]] = {}
+    """Why a key (or a section prefix) this config lacks is absent, for the unknown-key error;
+    ``{key}`` in a hint is replaced by the key the user wrote."""
+
     def resume_identity_extra(self) -> dict[str, object]:
         """What a resume must find unchanged beyond the identity every run pins
-        (``checkpoint/store.py:resume_identity``); nothing more for GRPO (OPD adds its teacher)."""
+        (``loop/resume.py:resume_identity``); nothing more for GRPO (OPD adds its teacher)."""
         return {}
 
     @property
@@ -432,3 +433,12 @@ class GRPOConfig(_Section):
         if self.rl.data_seed_follows_rollout_seed and self.rollout.seed is not None:
             return self.rollout.seed
         return self.rl.seed
+
+
+class GRPOConfig(RunConfig):
+    """A whole GRPO run."""
+
+    algorithm: Literal["grpo", "dr_grpo", "gspo"] = "grpo"
+    """Which member of the family this recipe names (the knobs below carry the semantics)."""
+    rl: GRPORLConfig = Field(default_factory=GRPORLConfig)
+    """The loop and the objective."""

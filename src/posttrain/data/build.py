@@ -2,7 +2,7 @@
 
 ``check_data_config`` and ``provided_fields`` serve the model-free preflight
 (``--validate-manifest``): they read at most the first row of a file and a dataset's JSON metadata,
-and never import torch or ``datasets``.
+and never import torch or ``datasets``; the pass over every row is ``posttrain.data.rows``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from posttrain.data.arithmetic import ArithmeticSource, arithmetic_problems
 from posttrain.data.base import DataSource
 from posttrain.data.factory import FactorySource, import_callable
 from posttrain.data.hf_disk import HFDiskSource
-from posttrain.data.jsonl import JsonlSource, parse_jsonl_line
+from posttrain.data.jsonl import JsonlSource, iter_jsonl_lines, parse_jsonl_line
 from posttrain.errors import DataError
 
 
@@ -71,23 +71,19 @@ def _check_jsonl(data_cfg: DataConfig) -> list[str]:
     if not os.path.isfile(path):
         return [f"rl.data.path: {path} is not a file"]
     try:
-        with open(path, encoding="utf-8-sig") as fh:
-            for lineno, text in enumerate(fh, start=1):
-                if text.strip():
-                    # Only the first row: the preflight must stay fast on big files; the source
-                    # checks every row when it is built.
-                    parse_jsonl_line(
-                        text,
-                        path=path,
-                        lineno=lineno,
-                        prompt_column=data_cfg.prompt_column,
-                        response_column=data_cfg.response_column,
-                    )
-                    return []
-    except (OSError, UnicodeDecodeError) as exc:
-        return [f"rl.data.path: cannot read JSONL file {path}: {exc}"]
+        for lineno, text in iter_jsonl_lines(path):
+            # Only the first row here; the preflight's row pass (posttrain.data.rows) reads them all.
+            parse_jsonl_line(
+                text,
+                path=path,
+                lineno=lineno,
+                prompt_column=data_cfg.prompt_column,
+                response_column=data_cfg.response_column,
+            )
+            return []
     except DataError as exc:
-        return [f"rl.data.path: {exc}"]
+        message = str(exc)
+        return [message if message.startswith("rl.data.path") else f"rl.data.path: {message}"]
     return [f"rl.data.path: JSONL file {path} has no rows (it is empty or only blank lines)"]
 
 

@@ -6,7 +6,6 @@ materialised and checked up front; it is then served with the corpus cursor like
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -14,24 +13,13 @@ from typing import Any
 from posttrain.data.base import PromptSample
 from posttrain.data.jsonl import CorpusSource, apply_system_prompt, corpus_provides, row_to_sample
 from posttrain.errors import DataError
+from posttrain.importing import import_object
 
 
 def import_callable(path: str, *, what: str) -> Callable[..., Any]:
-    """Resolve ``module:attr`` (``attr`` may be dotted) to a callable; errors name ``what`` and the path."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise DataError(f"{what}: {path!r} is not of the form 'module:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # any failure while importing user code is a config problem to report
-        raise DataError(f"{what}: cannot import module {module_name!r} of {path!r}: {exc!r}") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise DataError(f"{what}: module {module_name!r} has no attribute {attr!r} (from {path!r})")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise DataError(f"{what}: {path!r} is a {type(obj).__name__}, not a function")
-    return obj
+    """Resolve ``module:attr`` (``attr`` may be dotted) to a callable; errors are ``DataError``s naming ``what``."""
+    fn: Callable[..., Any] = import_object(path, what=what, must_be_callable=True, error=DataError)
+    return fn
 
 
 def _accepts_seed(fn: Callable[..., Any]) -> bool:

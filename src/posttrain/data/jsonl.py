@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Mapping, Sequence
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from posttrain.data.base import ChatMessages, PromptSample
@@ -44,17 +46,39 @@ def _check_messages(value: list[Any], column: str, where: str) -> ChatMessages:
             )
         if not isinstance(msg["role"], str):
             raise DataError(f"{where}: column {column!r} message {k} has a non-string role {_short(msg['role'])}")
-        # Multimodal content is a list of parts; anything else is not a chat message.
-        if not isinstance(msg["content"], (str, list)):
+        # The chat renderer takes text only: a list of (multimodal) content parts would be refused
+        # there, after the model loaded and without the row's file and line.
+        content = msg["content"]
+        if not isinstance(content, str):
+            kind = "a list of content parts (multimodal; posttrain renders text only)"
+            kind = kind if isinstance(content, list) else type(content).__name__
             raise DataError(
-                f"{where}: column {column!r} message {k} content must be a string or a list of parts, "
-                f"got {_short(msg['content'])}"
+                f"{where}: column {column!r} message {k} content must be a string, got {kind} {_short(content)}"
             )
+        _refuse_surrogates(msg["role"], f"{where}: column {column!r} message {k} role")
+        _refuse_surrogates(content, f"{where}: column {column!r} message {k} content")
     return [dict(msg) for msg in value]
 
 
+def _refuse_surrogates(text: str, what: str) -> None:
+    """A lone UTF-16 surrogate (JSON ``"\\ud800"`` without its pair) is a str that no tokenizer
+    and no UTF-8 file can hold; refused here rather than as a TypeError inside the tokenizer."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(
+            f"{what} holds a lone UTF-16 surrogate {text[exc.start]!r} at character {exc.start + 1} (an unpaired "
+            "\\uXXXX escape, which no tokenizer can encode); fix the escape or drop the row"
+        ) from None
+
+
 def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # a 5000-digit int from a factory (repr refuses it), a broken __repr__
+        return "(not printable)"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -68,6 +92,7 @@ def check_prompt(value: Any, column: str, where: str) -> str | ChatMessages:
     if isinstance(value, str):
         if not value.strip():
             raise DataError(f"{where}: column {column!r} is an empty string; give the prompt text")
+        _refuse_surrogates(value, f"{where}: column {column!r}")
         return value
     if isinstance(value, list):
         return _check_messages(value, column, where)
@@ -113,6 +138,85 @@ def row_to_sample(
     return PromptSample(prompt=apply_system_prompt(prompt, system_prompt), ground_truth=ground_truth, uid=uid)
 
 
+def decode_json_row(text: str, where: str) -> Any:
+    """``json.loads(text)``; every way it can fail is a ``DataError`` naming ``where`` (and the column).
+
+    Besides malformed JSON, the decoder refuses integers longer than Python's int-conversion limit
+    (``sys.get_int_max_str_digits()``, a ValueError) and nesting deeper than the recursion limit (a
+    RecursionError); neither names a position, so the column is found here.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError:  # the int-conversion limit; JSONDecodeError (a ValueError too) is above
+        match = re.search(rf"\d{{{sys.get_int_max_str_digits() + 1},}}", text)
+        column = f" column {match.start() + 1}" if match else ""
+        raise DataError(
+            f"{where}{column}: a number with more than {sys.get_int_max_str_digits()} digits, over Python's "
+            "integer-conversion limit (sys.get_int_max_str_digits()); store it as a JSON string"
+        ) from None
+    except RecursionError:
+        raise DataError(
+            f"{where}: nested too deeply for the JSON decoder (beyond about {sys.getrecursionlimit()} levels of "
+            "[ and {); flatten the row"
+        ) from None
+
+
+def iter_jsonl_lines(path: str) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of every non-blank line of a JSONL file; ``DataError`` for what cannot be read.
+
+    Lines end at ``\\n``, ``\\r\\n`` or a lone ``\\r``, as text mode counts them, but never at U+2028 and
+    the other separators ``str.splitlines`` would also split on inside JSON strings. The file is
+    read as bytes and decoded line by line, so bytes that are not UTF-8 are reported at their line and
+    column (a text-mode read reports an offset into its decode buffer). A leading BOM is dropped.
+    """
+    for lineno, text in jsonl_lines(path):
+        if isinstance(text, DataError):
+            raise text
+        yield lineno, text
+
+
+def jsonl_lines(path: str) -> Iterator[tuple[int, str | DataError]]:
+    """Like ``iter_jsonl_lines``, but a line that is not UTF-8 comes as its ``DataError`` and reading
+    goes on (the preflight reports every bad row, not only the first); an unreadable file still raises."""
+    try:
+        with open(path, "rb") as fh:
+            lineno = 0
+            for raw in fh:
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    yield lineno + 1, DataError(_not_utf8(path, lineno, raw, exc))
+                    # the lines this chunk holds: lone \r end lines too, as in _split_cr
+                    lineno += raw.removesuffix(b"\n").removesuffix(b"\r").count(b"\r") + 1
+                    continue
+                if lineno == 0:
+                    text = text.removeprefix("\ufeff")
+                for piece in _split_cr(text) if "\r" in text else (text,):
+                    lineno += 1
+                    if piece.strip():
+                        yield lineno, piece
+    except OSError as exc:
+        raise DataError(f"rl.data.path: cannot read JSONL file {path}: {exc}") from exc
+
+
+def _split_cr(text: str) -> list[str]:
+    """A ``\\n``-terminated chunk split at lone ``\\r`` line ends (a final ``\\r\\n`` is one line end)."""
+    text = text.removesuffix("\n")
+    return text.removesuffix("\r").split("\r")
+
+
+def _not_utf8(path: str, lines_before: int, raw: bytes, exc: UnicodeDecodeError) -> str:
+    # Lone \r before the bad byte end lines too (as in iter_jsonl_lines).
+    prefix = raw[: exc.start].decode("utf-8", errors="replace").split("\r")
+    lineno = lines_before + len(prefix)
+    return (
+        f"{path} line {lineno} column {len(prefix[-1]) + 1}: not valid UTF-8 (byte 0x{raw[exc.start]:02x}: "
+        f"{exc.reason}); save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+    )
+
+
 def parse_jsonl_line(
     text: str,
     *,
@@ -124,10 +228,7 @@ def parse_jsonl_line(
 ) -> PromptSample:
     """Parse one non-blank JSONL line into a sample; a problem raises ``DataError`` naming file and line."""
     where = f"{path} line {lineno}"
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+    row = decode_json_row(text, where)
     return row_to_sample(
         row,
         where=where,
@@ -231,26 +332,17 @@ class JsonlSource(CorpusSource):
     def _read(
         path: str, prompt_column: str, response_column: str | None, system_prompt: str | None
     ) -> list[PromptSample]:
-        samples: list[PromptSample] = []
-        try:
-            # Iterate the file rather than str.splitlines(): that would also split on U+2028 inside
-            # JSON strings and shift every line number after it.
-            with open(path, encoding="utf-8-sig") as fh:
-                for lineno, text in enumerate(fh, start=1):
-                    if not text.strip():
-                        continue
-                    samples.append(
-                        parse_jsonl_line(
-                            text,
-                            path=path,
-                            lineno=lineno,
-                            prompt_column=prompt_column,
-                            response_column=response_column,
-                            system_prompt=system_prompt,
-                        )
-                    )
-        except (OSError, UnicodeDecodeError) as exc:
-            raise DataError(f"rl.data.path: cannot read JSONL file {path}: {exc}") from exc
+        samples = [
+            parse_jsonl_line(
+                text,
+                path=path,
+                lineno=lineno,
+                prompt_column=prompt_column,
+                response_column=response_column,
+                system_prompt=system_prompt,
+            )
+            for lineno, text in iter_jsonl_lines(path)
+        ]
         if not samples:
             raise DataError(f"rl.data.path: JSONL file {path} has no rows (it is empty or only blank lines)")
         return samples

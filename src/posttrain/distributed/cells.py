@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from posttrain.config.schema import GRPOConfig
+from posttrain.config.schema import RunConfig
 from posttrain.errors import ConfigError
 
 BatchT = TypeVar("BatchT")
@@ -63,24 +63,34 @@ def take_rows(batch: BatchT, rows: list[int]) -> BatchT:
     """A copy of the dataclass ``batch`` (a ``TrainBatch``: ``completion_ids`` counts its rows) holding
     only ``rows``.
 
-    Every list or tensor field is per trajectory and is indexed; other fields (``group_size``,
-    None) are kept. A list or tensor of another length is an error, never silently kept whole.
+    Every list or tensor field is per trajectory and is indexed; a dataclass-valued field (a
+    per-feature payload such as ``SamplerHead`` or ``TeacherTopK``) is sliced the same way, field by
+    field; other fields (``group_size``, None) are kept. A list or tensor of another length is an
+    error, never silently kept whole.
     """
     if not dataclasses.is_dataclass(batch) or isinstance(batch, type):
         raise TypeError(f"take_rows needs a dataclass instance, got {type(batch).__name__}")
     n = len(batch.completion_ids)  # type: ignore[attr-defined]
+    return _take(batch, rows, n, type(batch).__name__)
+
+
+def _take(obj: BatchT, rows: list[int], n: int, where: str) -> BatchT:
+    """``obj`` (a dataclass instance) with every per-row list or tensor field, nested payloads
+    included, narrowed to ``rows`` of ``n``."""
     index = torch.tensor(rows, dtype=torch.long)
     picked: dict[str, Any] = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, (list, Tensor)):
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            picked[f.name] = _take(value, rows, n, f"{where}.{f.name}")
+        elif isinstance(value, (list, Tensor)):
             if len(value) != n:
-                raise ValueError(f"{type(batch).__name__}.{f.name} has {len(value)} rows, expected {n}")
+                raise ValueError(f"{where}.{f.name} has {len(value)} rows, expected {n}")
             picked[f.name] = value[index.to(value.device)] if isinstance(value, Tensor) else [value[i] for i in rows]
-    return dataclasses.replace(batch, **picked)
+    return dataclasses.replace(obj, **picked)  # type: ignore[type-var]
 
 
-def cell_config(cfg: GRPOConfig, cells: int) -> GRPOConfig:
+def cell_config(cfg: RunConfig, cells: int) -> RunConfig:
     """The config as one data cell sees it: ``rl.batch_per_replica`` and ``rl.mini_batch_per_replica``
     divided by ``cells`` (the number of optimizer steps, ``n_mini``, is unchanged).
     ``rl.micro_batch_per_replica`` is per rank already and stays."""

@@ -130,6 +130,18 @@ def first_nonfinite(named: list[tuple[str, Tensor | None]]) -> str:
     return "?"
 
 
+def largest_entry(named: list[tuple[str, Tensor | None]]) -> str:
+    """Name of the tensor with the largest absolute entry in THIS rank's shard ('?' if none here): where
+    to look when a norm overflows although every entry is finite."""
+    best, name = -1.0, "?"
+    for n, t in named:
+        if t is not None and t.numel():
+            peak = float(_local(t).detach().abs().max())
+            if peak > best:
+                best, name = peak, n
+    return name
+
+
 # -- DP-global reductions -----------------------------------------------------------------------
 
 
@@ -204,7 +216,7 @@ class DataParallel:
 
         Which fields are None depends on the config and, for the train/inference gap, on whether this
         step's rollout recorded the sampler's logprobs, which every rank decides alike from the
-        weight version (``rollout/vllm_engine.py:records_logprobs``): the same on every rank.
+        weight version (``rollout/state.py:records_logprobs``): the same on every rank.
         """
         present = [f.name for f in dataclasses.fields(stats) if getattr(stats, f.name) is not None]
         merged: dict[str, Tensor] = {}

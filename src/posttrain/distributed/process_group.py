@@ -23,10 +23,7 @@ from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from posttrain.config.schema import GRPOConfig
+from posttrain.config.schema import RunConfig
 
 # A collective that has not finished after this long raises instead of hanging the run (a crashed
 # or desynchronised peer). Generous: the first all-gather of a large model includes its warm-up.
@@ -48,6 +45,9 @@ def init_process_group(
     of those it sees (``cuda:0`` when it sees one: ``pin_torchrun_gpu`` and Ray's actors do that).
     A second call is a no-op.
     """
+    import torch
+    import torch.distributed as dist
+
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -93,7 +93,7 @@ def pin_torchrun_gpu(environ: MutableMapping[str, str] | None = None) -> str | N
     return choice
 
 
-def join_policy_world(cfg: GRPOConfig) -> int:
+def join_policy_world(cfg: RunConfig) -> int:
     """Join the process group when launched with ``WORLD_SIZE > 1``; returns the world size.
 
     A no-op in a single process (no group is created, so every single-process code path is the
@@ -118,6 +118,8 @@ def leave_policy_world(*, finished: bool = False) -> None:
     while a peer was still in the last collective would abort that peer (gloo ends it with
     "terminate called without an active exception"). After a failure there is no meeting: the
     failed peer would never arrive."""
+    import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         if finished:
             dist.barrier()
@@ -146,3 +148,12 @@ def exit_rank_process(status: int) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def rank_tag(environ: Mapping[str, str] | None = None) -> str:
+    """`` (rank r/w)`` in a process of a multi-rank launch (torchrun's environment), else empty: an
+    error line printed by every rank says which one it came from. Reads only the environment (no
+    process group may exist yet when the error comes)."""
+    env = os.environ if environ is None else environ
+    world = env.get("WORLD_SIZE", "1")
+    return f" (rank {env.get('RANK', '?')}/{world})" if world not in ("", "1") else ""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from posttrain.errors import ConfigError, PosttrainError
 
 if TYPE_CHECKING:
-    from posttrain.config.schema import GRPOConfig
+    from posttrain.config.schema import RunConfig
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -66,7 +66,7 @@ class Command:
     (given as import paths, so that ``--help`` and ``--validate-manifest`` import no torch)."""
 
     config_class: str = "posttrain.config.schema:GRPOConfig"
-    preflight: str = "posttrain.config.validate:preflight"
+    preflight: str = "posttrain.preflight.grpo:grpo_preflight"
     train: str = "posttrain.loop.grpo:train"
     description: str = GRPO_DESCRIPTION
     recipes: str = "default, dr_grpo, gspo"
@@ -79,7 +79,7 @@ class Command:
 GRPO_COMMAND = Command()
 
 
-def _summary(cfg: GRPOConfig) -> str:
+def _summary(cfg: RunConfig) -> str:
     rl = cfg.rl
     return (
         f"algorithm={cfg.algorithm} model={cfg.model.name_or_path} reward={rl.reward} "
@@ -93,7 +93,7 @@ def validate_manifest(config_arg: str | None, overrides: list[str], command: Com
 
     config_type, preflight = command.load("config_class"), command.load("preflight")
     problems: list[str] = []
-    cfg: GRPOConfig | None
+    cfg: RunConfig | None
     try:
         cfg = build_config(config_arg, overrides, config_type)
     except ConfigError as exc:
@@ -140,7 +140,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "posttrain grpo", comman
             pin_torchrun_gpu()  # before the loop's import can start CUDA
             command.load("train")(cfg, argv=full_argv)
     except PosttrainError as exc:
-        print(f"error{_rank_tag()}: {exc}", file=sys.stderr)
+        from posttrain.distributed.process_group import rank_tag
+
+        print(f"error{rank_tag()}: {exc}", file=sys.stderr)
         return _leave(1)
     return _leave(0)
 
@@ -150,14 +152,6 @@ def _leave(status: int) -> int:
     from posttrain.distributed.process_group import exit_rank_process
 
     return exit_rank_process(status)
-
-
-def _rank_tag() -> str:
-    """`` (rank r/w)`` in a process of a multi-rank launch (torchrun's environment), else empty."""
-    import os
-
-    world = os.environ.get("WORLD_SIZE", "1")
-    return f" (rank {os.environ.get('RANK', '?')}/{world})" if world not in ("", "1") else ""
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from posttrain.entrypoints.grpo import main as command_main
 
 OPD_COMMAND = Command(
     config_class="posttrain.config.opd:OPDConfig",
-    preflight="posttrain.config.opd:opd_preflight",
+    preflight="posttrain.preflight.opd:opd_preflight",
     train="posttrain.loop.opd:train",
     description=(
         "On-policy distillation: the student samples, a frozen teacher scores the same completions, and "

@@ -6,14 +6,14 @@ environment (``MASTER_ADDR``/``MASTER_PORT`` of actor 0's node, ``RANK``, ``WORL
 the ordinary loop, exactly as a torchrun process would.
 
 * ``colocated``: each policy actor holds its own rollout engine, as under torchrun.
-* ``disaggregated``: ROLLOUT_REPLICAS rollout actors, in bundles of their own, hold the engines
-  (``launch/replica.py``: transformers on the actor's own copy of the model, or, with
-  ``rollout.backend=vllm``, an in-process vLLM engine that loads the initial weights from the model
-  directory and takes every update through its ``load_weights``). Policy rank ``r`` samples on
-  replica ``r mod ROLLOUT_REPLICAS`` through ``RolloutProxy`` (the ``RolloutEngine`` protocol;
-  every call bounded by ``ray.get(..., timeout=...)``). A replica keeps one sampling stream per
-  policy rank (its own call counter), so sampling does not depend on which rank's request arrives
-  first, and a checkpoint restores each rank's stream. After each optimizer
+* ``disaggregated``: ROLLOUT_REPLICAS rollout actors (``RolloutActor``), in bundles of their own,
+  hold the engines (``rollout/replica.py``: transformers on the actor's own copy of the model, or,
+  with ``rollout.backend=vllm``, an in-process vLLM engine that loads the initial weights from the
+  model directory and takes every update through its ``load_weights``). Policy rank ``r`` samples on
+  replica ``r mod ROLLOUT_REPLICAS`` through ``rollout/remote.py``'s ``RolloutProxy`` (the
+  ``RolloutEngine`` protocol; every call bounded by ``ray.get(..., timeout=...)``). A replica keeps
+  one sampling stream per policy rank (its own call counter), so sampling does not depend on which
+  rank's request arrives first, and a checkpoint restores each rank's stream. After each optimizer
   step every rank gathers the full weights (a collective); the lowest rank using a replica sends
   them, through the Ray object store (``rl.weight_sync_transport=object_store``) or by broadcasts in
   a process group of the two (``nccl``: NCCL between GPUs, gloo on CPU; ``distributed/weight_sync.py``),
@@ -29,33 +29,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
-from posttrain.config.schema import GRPOConfig
+from posttrain.config.schema import RunConfig
 from posttrain.errors import TrainingError
+from posttrain.importing import import_object
+from posttrain.rollout.remote import NAMESPACE, free_port
+from posttrain.rollout.state import EngineState
 
-NAMESPACE = "posttrain"
-CALL_TIMEOUT_S = 600.0
 # Fault injection for tests: a rollout actor exits (as if killed) on this generate call.
 EXIT_AFTER_ENV = "POSTTRAIN_TEST_ROLLOUT_EXIT_AFTER"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
-def _config_of(kind: str, tree: dict[str, Any]) -> GRPOConfig:
+def _config_of(kind: str, tree: dict[str, Any]) -> RunConfig:
     """The run's config rebuilt inside an actor (``kind`` is the config class's import path)."""
-    import importlib
-
-    module, _, name = kind.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    cfg: GRPOConfig = cls.model_validate(tree)
+    cls = import_object(kind, what="the Ray job's config class", must_be_callable=True)
+    cfg: RunConfig = cls.model_validate(tree)
     return cfg
 
 
@@ -66,12 +56,10 @@ class PolicyRankActor:
         """This node's address and a free port (asked of rank 0: the process group's rendezvous)."""
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port()
+        return ray.util.get_node_ip_address(), free_port()
 
     def run(self, rank: int, world: int, master: tuple[str, int], job: dict[str, Any]) -> str:
         """Run the loop as rank ``rank`` of ``world``; returns the run directory."""
-        import importlib
-
         os.environ.update(
             MASTER_ADDR=master[0],
             MASTER_PORT=str(master[1]),
@@ -80,41 +68,38 @@ class PolicyRankActor:
             LOCAL_RANK="0",  # Ray gives each actor its own GPU (CUDA_VISIBLE_DEVICES)
         )
         cfg = _config_of(job["config_class"], job["config"])
-        module, _, name = job["train"].partition(":")
-        train = getattr(importlib.import_module(module), name)
+        train = import_object(job["train"], what="the Ray job's loop", must_be_callable=True)
         return str(train(cfg, argv=job["argv"]))
 
 
 class RolloutActor:
-    """One rollout replica: the engine ``rollout.backend`` names (``launch/replica.py``: transformers
+    """One rollout replica: the engine ``rollout.backend`` names (``rollout/replica.py``: transformers
     on its own copy of the policy, or an in-process vLLM engine), one sampling stream per policy
     rank, weights received from the policy ranks with a version stamp."""
 
     def __init__(self, tree: dict[str, Any], config_class: str) -> None:
-        from posttrain.launch.replica import build_replica
+        from posttrain.rollout.replica import build_replica
 
         self.replica = build_replica(_config_of(config_class, tree))
-        self.weight_version = 0
-        self.poisoned: str | None = None
-        self.calls = 0
+        # the call counter here only numbers generate calls for EXIT_AFTER_ENV; the sampling streams
+        # (one per policy rank) live in the replica
+        self.state = EngineState("the rollout replica cannot sample: {reason}")
         self.group: Any = None  # the weight-sync pair group (nccl transport), joined on first sync
 
     def generate(self, cell: int, prompt_token_ids: list[list[int]], n: int, params: Any) -> Any:
-        if self.poisoned is not None:
-            raise TrainingError(f"the rollout replica cannot sample: {self.poisoned}")
-        self.calls += 1
-        if os.environ.get(EXIT_AFTER_ENV) == str(self.calls):
+        self.state.check_usable()
+        if os.environ.get(EXIT_AFTER_ENV) == str(self.state.next_call() + 1):
             os._exit(1)  # the test's stand-in for a killed or crashed rollout process
-        return self.replica.generate(cell, prompt_token_ids, n, params, self.weight_version)
+        return self.replica.generate(cell, prompt_token_ids, n, params)
 
     def load_weights(self, named_tensors: dict[str, Any], version: int) -> int:
         """Copy the full weights in; the version is stamped only once every tensor was copied."""
         try:
             self.replica.load_weights(named_tensors, version)
         except Exception as err:
-            self.poisoned = f"the weight transfer of version {version} failed midway ({err}); its weights are mixed"
+            self.state.poison(f"the weight transfer of version {version} failed midway ({err}); its weights are mixed")
             raise
-        self.weight_version = version
+        self.state.commit(version)
         return version
 
     def join_sync(self, host: str, port: int, timeout_s: float) -> bool:
@@ -124,7 +109,7 @@ class RolloutActor:
         self.group = pair_group(host, port, 1, timeout_s=timeout_s)
         return True
 
-    def receive_weights(self, meta: list[Any], version: int) -> int:
+    def receive_broadcast(self, meta: list[Any], version: int) -> int:
         """Receive the owner's broadcasts (``distributed/weight_sync.py``), then load them as one version.
         A transfer that breaks off poisons the replica: the stream between the two is out of step."""
         from posttrain.distributed.weight_sync import receive
@@ -132,7 +117,7 @@ class RolloutActor:
         try:
             tensors = receive(self.group, meta, self.replica.device)
         except Exception as err:
-            self.poisoned = f"the weight transfer of version {version} broke off ({err})"
+            self.state.poison(f"the weight transfer of version {version} broke off ({err})")
             raise
         return self.load_weights(tensors, version)
 
@@ -153,105 +138,10 @@ class RolloutActor:
         return True
 
 
-class RolloutProxy:
-    """A policy rank's view of its rollout replica: the ``RolloutEngine`` protocol over Ray calls,
-    each bounded by ``timeout_s``. ``owner``: this rank sends the replica its weights."""
-
-    needs_barrier = True
-
-    def __init__(
-        self, actor: Any, cell: int, *, owner: bool, timeout_s: float = CALL_TIMEOUT_S, transport: str = "object_store"
-    ) -> None:
-        self.actor, self.cell, self.owner, self.timeout_s = actor, cell, owner, timeout_s
-        self.transport = transport
-        self.weight_version = 0
-        self.poisoned: str | None = None
-        self.group: Any = None
-
-    def _get(self, ref: Any, what: str) -> Any:
-        import ray
-
-        try:
-            return ray.get(ref, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise TrainingError(f"the rollout replica did not answer {what} within {self.timeout_s:.0f}s") from None
-        except ray.exceptions.RayActorError as err:
-            raise TrainingError(
-                f"the rollout replica died during {what}; the run stops (resume from the last checkpoint with "
-                f"rl.resume=auto): {err}"
-            ) from None
-
-    def generate(self, prompt_token_ids: list[list[int]], n: int, params: Any) -> Any:
-        if self.poisoned is not None:
-            raise TrainingError(f"{self.poisoned}. Resume from the last checkpoint (rl.resume=auto).")
-        return self._get(self.actor.generate.remote(self.cell, prompt_token_ids, n, params), "generate")
-
-    def load_weights(self, named_tensors: Any, version: int) -> None:
-        if named_tensors is None:
-            raise TrainingError("a disaggregated rollout replica needs the full weights (a state dict), not None")
-        if self.owner:
-            start = time.perf_counter()
-            try:
-                if self.transport == "nccl":
-                    self._send_collective(dict(named_tensors), version)
-                else:
-                    payload = {k: v.detach().cpu() for k, v in dict(named_tensors).items()}
-                    self._get(self.actor.load_weights.remote(payload, version), "load_weights")
-            except Exception as err:
-                self.poisoned = f"weight sync of version {version} to the rollout replica failed: {err}"
-                raise TrainingError(f"{self.poisoned}. Resume from the last checkpoint (rl.resume=auto).") from err
-            self.sync_s = time.perf_counter() - start
-        self.weight_version = version
-
-    def _send_collective(self, named_tensors: dict[str, Any], version: int) -> None:
-        """Broadcast the weights to the replica in the two-process group (opened on first use)."""
-        import ray
-
-        from posttrain.distributed import weight_sync
-
-        if self.group is None:
-            host, port = ray.util.get_node_ip_address(), _free_port()
-            joined = self.actor.join_sync.remote(host, port, self.timeout_s)
-            self.group = weight_sync.pair_group(host, port, 0, timeout_s=self.timeout_s)
-            self._get(joined, "join_sync")
-        received = self.actor.receive_weights.remote(weight_sync.describe(named_tensors), version)
-        weight_sync.send(self.group, named_tensors)
-        self._get(received, "receive_weights")
-
-    def state_dict(self) -> dict[str, int]:
-        state: dict[str, int] = self._get(self.actor.state_dict.remote(self.cell), "state_dict")
-        return state
-
-    def load_state_dict(self, state: Any) -> None:
-        self._get(self.actor.load_state_dict.remote(self.cell, dict(state)), "load_state_dict")
-
-    def close(self) -> None:
-        """Release this side of the weight-sync group; the driver owns the replica's lifetime."""
-        from posttrain.distributed.weight_sync import close_group
-
-        close_group(self.group)
-        self.group = None
-
-
-def rollout_proxy(cfg: GRPOConfig, rank: int) -> RolloutProxy:
-    """This policy rank's proxy to its replica (``rank mod ROLLOUT_REPLICAS``), found by name."""
-    import ray
-
-    replicas = cfg.grid.shapes.rollout[0]
-    actor = ray.get_actor(f"rollout-{rank % replicas}", namespace=NAMESPACE)
-    return RolloutProxy(
-        actor,
-        rank,
-        owner=rank < replicas,
-        timeout_s=cfg.grid.collective_timeout_s,
-        transport=cfg.rl.weight_sync_transport,
-    )
-
-
 # -- the driver -----------------------------------------------------------------------------------
 
 
-def _connect(cfg: GRPOConfig, bundles: int) -> bool:
+def _connect(cfg: RunConfig, bundles: int) -> bool:
     """Join ``grid.ray_address``, or start a local cluster; True when this process started it."""
     import ray
 
@@ -292,7 +182,7 @@ def _wait_all(refs: list[Any]) -> list[Any]:
     return [results[r] for r in range(len(refs))]
 
 
-def _job(cfg: GRPOConfig, argv: list[str], config_class: str, train: str) -> dict[str, Any]:
+def _job(cfg: RunConfig, argv: list[str], config_class: str, train: str) -> dict[str, Any]:
     """What each policy actor needs: the config (its output root made absolute: actors do not share
     the driver's working directory), the argv for provenance, and the loop to run."""
     from posttrain.loop.run_dir import output_root
@@ -310,7 +200,7 @@ def _close_replicas(rollouts: list[Any], timeout_s: float) -> None:
         ray.get([a.close.remote() for a in rollouts], timeout=min(timeout_s, 60.0))
 
 
-def train_with_ray(cfg: GRPOConfig, argv: list[str], config_class: str, train: str) -> Path:
+def train_with_ray(cfg: RunConfig, argv: list[str], config_class: str, train: str) -> Path:
     """Run the loop on Ray actors (see the module docstring); returns the run directory."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group

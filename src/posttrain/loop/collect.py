@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from posttrain.algorithm.advantages import group_advantages, group_reward_spread, informative_groups
-from posttrain.config.schema import GRPOConfig
+from posttrain.config.schema import GRPOConfig, RunConfig
 from posttrain.data.base import DataSource, PromptSample
 from posttrain.distributed.cells import Cells, cell_group_indices
 from posttrain.distributed.world import gather_objects, merge_rank_metrics
 from posttrain.loop.dynamic_sampling import DrawFn, ScoredGroup, collect_dynamic_for
 from posttrain.models.chat import render_prompt_ids
-from posttrain.policy.trainer import TrainBatch
+from posttrain.policy.train_batch import SamplerHead, TrainBatch
 from posttrain.rewards.base import Reward, RewardInput
 from posttrain.rewards.registry import score_completions
 from posttrain.rollout.base import Completion, RolloutBatch, RolloutEngine, SamplingParams
@@ -49,7 +49,7 @@ class Roles:
     tokenizer: Any
 
 
-def sampling_params(cfg: GRPOConfig, cell: int = 0) -> SamplingParams:
+def sampling_params(cfg: RunConfig, cell: int = 0) -> SamplingParams:
     """The rollout section as engine sampling controls; score centering asks for the sampler's
     top-k head per generated token. Data cell ``c`` samples with ``rollout.seed + c``, so the cells'
     engines draw independent streams (cell 0, and a single process, use the seed itself)."""
@@ -66,7 +66,7 @@ def sampling_params(cfg: GRPOConfig, cell: int = 0) -> SamplingParams:
     )
 
 
-def sample_and_score(cfg: GRPOConfig, roles: Roles, prompts: list[PromptSample], cell: int = 0) -> Collected:
+def sample_and_score(cfg: RunConfig, roles: Roles, prompts: list[PromptSample], cell: int = 0) -> Collected:
     """Sample ``group_size`` completions for each of ``prompts``, score them, compute advantages."""
     rl = cfg.rl
     prompt_ids = [
@@ -138,7 +138,7 @@ def join_groups(groups: list[GroupPayload]) -> Collected:
     )
 
 
-def draw_cell(cfg: GRPOConfig, roles: Roles, cells: Cells) -> Collected:
+def draw_cell(cfg: RunConfig, roles: Roles, cells: Cells) -> Collected:
     """One collected batch without dynamic sampling: the step's prompts, this cell's groups of them
     sampled and scored."""
     rl = cfg.rl
@@ -185,12 +185,16 @@ def collect(cfg: GRPOConfig, roles: Roles, cells: Cells) -> tuple[Collected, dic
     return join_groups([g.payload for g in chosen]), result.metrics
 
 
-def to_train_batch(cfg: GRPOConfig, collected: Collected) -> TrainBatch:
+def to_train_batch(cfg: RunConfig, collected: Collected) -> TrainBatch:
     """The trainer's view; truncated completions leave the loss here when masking is on."""
     completions = collected.rollout.completions
     truncated = torch.tensor([c.finish_reason == "length" for c in completions])
     in_loss = ~truncated if cfg.rl.mask_truncated_completions else torch.ones_like(truncated)
-    heads = cfg.rl.score_centering.enabled
+    head = None
+    if cfg.rl.score_centering.enabled:
+        head = SamplerHead(
+            ids=[c.extra["head_ids"] for c in completions], logprobs=[c.extra["head_logprobs"] for c in completions]
+        )
     return TrainBatch(
         prompt_ids=[collected.rollout.prompt_token_ids[c.prompt_index] for c in completions],
         completion_ids=[c.token_ids for c in completions],
@@ -198,14 +202,15 @@ def to_train_batch(cfg: GRPOConfig, collected: Collected) -> TrainBatch:
         in_loss_B=in_loss,
         sampler_logprobs=[c.logprobs for c in completions],
         group_size=cfg.rl.group_size,
-        head_ids=[c.extra["head_ids"] for c in completions] if heads else None,
-        head_logprobs=[c.extra["head_logprobs"] for c in completions] if heads else None,
+        sampler_head=head,
     )
 
 
-def rollout_metrics(collected: Collected) -> dict[str, float]:
+def rollout_metrics(collected: Collected, *, mask_truncated: bool = False) -> dict[str, float]:
     """Reward and response statistics of the whole collected batch (before any update): every
-    rank's rewards and lengths are gathered first (a collective; one rank's own in one process)."""
+    rank's rewards and lengths are gathered first (a collective; one rank's own in one process).
+    With ``mask_truncated`` (``rl.mask_truncated_completions``) also how many completions the loss
+    leaves out for being truncated."""
     lengths = torch.tensor([len(c.token_ids) for c in collected.rollout.completions], dtype=torch.float32)
     truncated = [c.finish_reason == "length" for c in collected.rollout.completions]
     stats = {k: float(v) for k, v in collected.rollout.stats.items()}
@@ -221,5 +226,7 @@ def rollout_metrics(collected: Collected) -> dict[str, float]:
         "train/response_len_mean": float(lengths.mean()),
         "train/response_len_max": float(lengths.max()),
     }
+    if mask_truncated:
+        metrics["train/masked_truncated_count"] = float(sum(truncated))
     metrics.update(merge_rank_metrics([p[3] for p in parts]))
     return metrics

@@ -19,6 +19,7 @@ from posttrain.loop.collect import collect, rollout_metrics, to_train_batch
 from posttrain.loop.dynamic_sampling import dynamic_sampling_log_line
 from posttrain.loop.run import Run, run_loop, start_run
 from posttrain.metrics.timers import StepTimer
+from posttrain.policy.objective import grpo_objective
 from posttrain.policy.trainer import TrainBatch
 
 
@@ -27,12 +28,15 @@ def grpo_batch(cfg: GRPOConfig, run: Run, timer: StepTimer) -> tuple[TrainBatch,
     metrics of the whole batch. The dynamic-sampling metrics are the driver's, already global."""
     with timer.phase("rollout"):
         collected, sampling_metrics = collect(cfg, run.roles, run.cells)
-    return to_train_batch(cfg, collected), {**rollout_metrics(collected), **sampling_metrics}
+    return to_train_batch(cfg, collected), {
+        **rollout_metrics(collected, mask_truncated=cfg.rl.mask_truncated_completions),
+        **sampling_metrics,
+    }
 
 
 def train(cfg: GRPOConfig, argv: list[str] | None = None) -> Path:
     """Run GRPO as configured; returns the run directory."""
-    run = start_run(cfg, argv or [])
+    run = start_run(cfg, argv or [], grpo_objective(cfg))
     rl = cfg.rl
     headline = (
         f"GRPO ({cfg.algorithm}): {rl.max_steps} steps x {rl.groups_per_step} prompts x {rl.group_size} "

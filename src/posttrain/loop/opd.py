@@ -2,7 +2,7 @@
 
     prompts -> student rollout (group_size samples each) -> rewards, group advantages
             -> teacher scores the realized completions (all-or-nothing, bounded retries)
-            -> direct: generalized JSD to the teacher's top-k + residual (DistillationTrainer)
+            -> direct: generalized JSD to the teacher's top-k + residual (policy/objective.py)
                advantage: clipped surrogate with A(t) = A_reward + kl_penalty_coef * A_teacher(t)
             -> weights to rollout -> one metrics frame
 
@@ -18,13 +18,15 @@ from typing import Any
 
 import torch
 
+from posttrain.algorithm.credit import opd_token_advantages
 from posttrain.config.opd import OPDConfig
 from posttrain.distributed.world import gathered_metrics
 from posttrain.loop.collect import Collected, draw_cell, rollout_metrics, to_train_batch
 from posttrain.loop.run import Run, run_loop, start_run
 from posttrain.metrics.timers import StepTimer
-from posttrain.policy.distill_trainer import DistillationTrainer
-from posttrain.policy.trainer import PolicyTrainer, TrainBatch
+from posttrain.policy.objective import opd_objective
+from posttrain.policy.train_batch import TeacherTopK, TokenAdvantages, TrainBatch
+from posttrain.preflight.opd import check_shared_vocabulary
 from posttrain.teacher.factory import build_teacher
 from posttrain.teacher.scoring import TeacherSignal, TeacherSignals
 
@@ -34,21 +36,22 @@ def opd_train_batch(cfg: OPDConfig, collected: Collected, signal: TeacherSignal)
     batch = to_train_batch(cfg, collected)
     rl = cfg.rl
     if rl.distillation_mode == "direct":
-        batch.teacher_topk_ids, batch.teacher_topk_logprobs = signal.topk_ids, signal.topk_logprobs
+        if signal.topk_ids is not None and signal.topk_logprobs is not None:  # else the trainer says what is missing
+            batch.teacher_topk = TeacherTopK(ids=signal.topk_ids, logprobs=signal.topk_logprobs)
         return batch, {}
     credit = signal.credit or []
     lengths = [len(c) for c in credit]
-    flat_credit = torch.tensor([v for row in credit for v in row], dtype=torch.float64)
-    # The group (reward) advantage of each completion, broadcast over its tokens.
-    reward_adv = torch.repeat_interleave(batch.advantages_B.double(), torch.tensor(lengths))
-    positions = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0)
-    counted = positions >= rl.n_ignore_prefix_tokens
-    flat_credit = torch.where(counted, flat_credit, 0.0)
-    final = reward_adv + rl.kl_penalty_coef * flat_credit
-    batch.token_advantages = [row.tolist() for row in final.split(lengths)]
+    token_adv_N, means = opd_token_advantages(
+        batch.advantages_B,
+        torch.tensor([v for row in credit for v in row], dtype=torch.float64),
+        torch.tensor(lengths, dtype=torch.long),
+        rl.kl_penalty_coef,
+        rl.n_ignore_prefix_tokens,
+    )
+    batch.token_advantages = TokenAdvantages([row.tolist() for row in token_adv_N.split(lengths)])
     metrics = {
-        "train/opd_advantage": float(final.sum()) / max(1, final.numel()),
-        "train/opd_teacher_credit": float(flat_credit.sum()) / max(1, int(counted.sum())),
+        "train/opd_advantage": float(means["advantage_mean"]),
+        "train/opd_teacher_credit": float(means["teacher_credit_mean"]),
         "train/opd_divergence": 0.0,  # no same-token divergence is formed in advantage mode
     }
     return batch, metrics
@@ -65,16 +68,13 @@ def opd_batch(
         signal = signals.score(collected.rollout, [p.prompt for p in collected.prompts])
     batch, adv_metrics = opd_train_batch(cfg, collected, signal)
     teacher_metrics = gathered_metrics({**signal.metrics, **adv_metrics})
-    return batch, {**rollout_metrics(collected), **teacher_metrics}
+    return batch, {**rollout_metrics(collected, mask_truncated=cfg.rl.mask_truncated_completions), **teacher_metrics}
 
 
 def train(cfg: OPDConfig, argv: list[str] | None = None) -> Path:
     """Run on-policy distillation as configured; returns the run directory."""
-    from posttrain.preflight.opd import check_shared_vocabulary
-
     check_shared_vocabulary(cfg)
-    trainer_class: type[PolicyTrainer] = DistillationTrainer if cfg.rl.distillation_mode == "direct" else PolicyTrainer
-    run = start_run(cfg, argv or [], trainer_class)
+    run = start_run(cfg, argv or [], opd_objective(cfg))
     teacher = build_teacher(cfg, run.log)
     vocab = _output_rows(run.trainer.model)
     signals = TeacherSignals(cfg, teacher, run.tokenizer, vocab)

@@ -30,27 +30,29 @@ from posttrain.checkpoint import (
     GracefulStop,
     TrainingState,
     capture_rng,
-    check_resume_compatible,
     collect_provenance,
     load_checkpoint,
     read_training_state,
     resolve_resume,
     restore_rng,
-    resume_identity,
     write_provenance,
 )
-from posttrain.config.schema import GRPOConfig
+from posttrain.checkpoint.failed_saves import remove_unfinished_saves
+from posttrain.checkpoint.reader import describe_fresh_start
+from posttrain.config.schema import RunConfig
 from posttrain.data.build import build_data_source
 from posttrain.distributed.cells import Cells
-from posttrain.distributed.fsdp import shard_for_world
+from posttrain.distributed.fsdp import PolicyWeights, shard_for_world
 from posttrain.distributed.process_group import join_policy_world, leave_policy_world
-from posttrain.distributed.world import any_rank, broadcast_object, is_rank_zero
+from posttrain.distributed.world import broadcast_object, is_rank_zero
 from posttrain.loop.collect import Roles
 from posttrain.loop.pipeline import MakeBatch, batch_source
+from posttrain.loop.resume import check_resume_compatible, resume_identity
 from posttrain.loop.run_dir import create_run_dir, job_dir, write_resolved_config
 from posttrain.metrics.sinks import MetricsLogger, OffRankLogger
 from posttrain.metrics.timers import StepTimer, peak_memory_frame
 from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.policy.objective import Objective
 from posttrain.policy.trainer import PolicyTrainer, build_reference
 from posttrain.rewards.registry import get_reward
 from posttrain.rollout.base import ResumableEngine
@@ -61,7 +63,7 @@ from posttrain.rollout.factory import build_rollout_engine
 class Run:
     """Everything one attempt of a run holds."""
 
-    cfg: GRPOConfig
+    cfg: RunConfig
     run_dir: Path
     log: MetricsLogger
     roles: Roles
@@ -79,7 +81,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def open_run_dir(cfg: GRPOConfig, argv: list[str], world: int) -> tuple[Path, MetricsLogger]:
+def open_run_dir(cfg: RunConfig, argv: list[str], world: int) -> tuple[Path, MetricsLogger]:
     """The attempt's directory, provenance, resolved config and sinks. Rank 0 creates and writes them
     and tells the other ranks the path; they log nothing (``OffRankLogger``)."""
     if not is_rank_zero():
@@ -104,16 +106,17 @@ def open_run_dir(cfg: GRPOConfig, argv: list[str], world: int) -> tuple[Path, Me
     return run_dir, log
 
 
-def start_run(cfg: GRPOConfig, argv: list[str], trainer_class: type[PolicyTrainer] = PolicyTrainer) -> Run:
+def start_run(cfg: RunConfig, argv: list[str], objective: Objective) -> Run:
     """Run directory, provenance, sinks, data, reward, model, engine and trainer (data and reward
     first: a malformed file or an unknown reward fails before minutes go into loading a model).
     Launched with ``WORLD_SIZE > 1`` it first joins the policy ranks' process group; the rollout
-    engine and the reference are built from the whole model, then the policy is sharded in place."""
+    engine and the reference are built from the whole model, then the policy is sharded in place.
+    ``objective``: what the trainer optimises, chosen by the recipe (``policy/objective.py``)."""
     world = join_policy_world(cfg)
     run_dir, log = open_run_dir(cfg, argv, world)
     seed_everything(cfg.rl.seed)
     data = build_data_source(cfg.rl.data, cfg.data_seed)
-    reward = get_reward(cfg.rl.reward)
+    reward = get_reward(cfg.rl.reward, timeout_s=cfg.rl.reward_timeout_s)
     t0 = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(cfg.model)
     params = sum(p.numel() for p in model.parameters())
@@ -123,37 +126,33 @@ def start_run(cfg: GRPOConfig, argv: list[str], trainer_class: type[PolicyTraine
         f"(loaded in {time.perf_counter() - t0:.1f}s)"
     )
     engine = build_rollout_engine(cfg, model, tokenizer, log)
-    reference = build_reference(model, cfg)
+    reference = build_reference(model, cfg, objective)
     dp = shard_for_world(model, cfg.grid.dp_replicate, cfg.grid.dp_shard)
     roles = Roles(data=data, engine=engine, reward=reward, tokenizer=tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    trainer = trainer_class(model, cfg, pad_id=pad_id, ref_model=reference)
+    trainer = PolicyTrainer(model, cfg, objective=objective, pad_id=pad_id, ref_model=reference)
     return Run(cfg, run_dir, log, roles, trainer, resume_identity(cfg), tokenizer, Cells(dp.cell, dp.size))
 
 
 def publish_weights(run: Run, version: int) -> None:
     """The policy's current weights to this rank's rollout engine, stamped ``version`` once the whole
-    transfer succeeded. One process: the engine shares (or reads) the policy module itself. Several
-    ranks: the FSDP2 shards are gathered into a full state dict on every rank (a collective) and
-    copied into the rank's own engine."""
-    engine = run.roles.engine
-    remote = bool(getattr(engine, "needs_barrier", False))  # a disaggregated replica (launch/ray_backend.py)
-    if not run.cells.multi and not remote:
-        engine.load_weights(None, version=version)
-        return
-    from posttrain.distributed.fsdp import full_state_dict
-
-    engine.load_weights(full_state_dict(run.trainer.model, to_cpu=False, rank0_only=False), version=version)
-    if remote and run.cells.multi:
-        any_rank(False)  # a barrier: no rank samples from a shared replica before its new version is in
+    transfer succeeded (``RolloutEngine.receive_weights``: an engine sharing the policy module copies
+    nothing; the others take its full tensors, gathered on every rank when it is sharded)."""
+    run.roles.engine.receive_weights(PolicyWeights(run.trainer.model), version=version)
 
 
 def restore(run: Run) -> int:
-    """Continue from ``rl.resume``'s checkpoint, if any; returns the number of batches already done."""
-    path = resolve_resume(run.cfg.rl.resume, job_dir(run.cfg))
+    """Continue from ``rl.resume``'s checkpoint, if any; returns the number of batches already done.
+    First the ``.tmp-`` directories of killed saves are removed (named in the log); a fresh start
+    over checkpoints that are all corrupt says how many it skipped."""
+    if is_rank_zero():
+        for line in remove_unfinished_saves(job_dir(run.cfg)):
+            run.log.info(line)
+    skipped: list[tuple[Path, str]] = []
+    path = resolve_resume(run.cfg.rl.resume, job_dir(run.cfg), skipped=skipped)
     if path is None:
         if run.cfg.rl.resume == "auto":
-            run.log.info("rl.resume=auto: no complete checkpoint of this job yet, starting fresh")
+            run.log.info(describe_fresh_start(skipped))
         return 0
     check_resume_compatible(read_training_state(path), run.identity, run.cfg.rl.n_mini)
     trainer = run.trainer
@@ -214,13 +213,19 @@ def run_loop(run: Run, make_batch: MakeBatch, headline: str, close_first: Sequen
         with GracefulStop() as stop, writer, log, closing(source):
             for step in range(done + 1, rl.max_steps + 1):
                 batch, batch_metrics = source.next(timer)
+                if not bool(batch.in_loss_B.any()):
+                    log.info(
+                        f"warning: step {step}: no completion of this batch is in the loss (every one was truncated "
+                        "at rollout.max_tokens and rl.mask_truncated_completions=true leaves them out): nothing "
+                        "trains this step; raise rollout.max_tokens (train/masked_truncated_count counts them)"
+                    )
                 with timer.phase("train"):
                     train_metrics = trainer.train_on(batch, step)
                 source.settle()  # off-policy: the rollout in flight ends before the weights change
                 with timer.phase("weight_sync"):
                     publish_weights(run, trainer.optimizer_step)
                 log.log(step, {**batch_metrics, **train_metrics, **timer.frame(), **peak_memory_frame()})
-                stopping = any_rank(stop.requested)  # a signal on any rank stops every rank after this step
+                stopping = stop.should_stop()  # a signal on any rank stops every rank after this step
                 if stopping or (rl.save_every and (step % rl.save_every == 0 or step == rl.max_steps)):
                     save(run, writer, step)
                 if stopping:

@@ -14,22 +14,22 @@ from typing import Any
 
 import yaml
 
-from posttrain.config.schema import GRPOConfig
+from posttrain.config.schema import RunConfig
 
 DEFAULT_OUTPUT_ROOT = "outputs"
 
 
-def output_root(cfg: GRPOConfig) -> Path:
+def output_root(cfg: RunConfig) -> Path:
     """Where every run of every job is written."""
     return Path(cfg.job.output_root or os.environ.get("POSTTRAIN_OUTPUT_ROOT") or DEFAULT_OUTPUT_ROOT)
 
 
-def job_dir(cfg: GRPOConfig) -> Path:
+def job_dir(cfg: RunConfig) -> Path:
     """The namespace of one job: all its attempts live below it."""
     return output_root(cfg) / cfg.job.project / cfg.job.group / cfg.job.name
 
 
-def create_run_dir(cfg: GRPOConfig) -> Path:
+def create_run_dir(cfg: RunConfig) -> Path:
     """A new, empty attempt directory (a same-second collision gets a ``-1``, ``-2`` ... suffix)."""
     base = job_dir(cfg)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -43,7 +43,7 @@ def create_run_dir(cfg: GRPOConfig) -> Path:
     raise FileExistsError(f"could not create a fresh run directory under {base}")
 
 
-def resolved_config(cfg: GRPOConfig) -> dict[str, Any]:
+def resolved_config(cfg: RunConfig) -> dict[str, Any]:
     """The config as written to ``config_resolved.yaml``: every field plus derived values."""
     tree = cfg.model_dump(mode="json")
     tree["resolved"] = {
@@ -56,7 +56,7 @@ def resolved_config(cfg: GRPOConfig) -> dict[str, Any]:
     return tree
 
 
-def write_resolved_config(run_dir: Path, cfg: GRPOConfig, extra: dict[str, Any] | None = None) -> Path:
+def write_resolved_config(run_dir: Path, cfg: RunConfig, extra: dict[str, Any] | None = None) -> Path:
     """Write ``config_resolved.yaml`` atomically (temp file, then rename)."""
     tree = resolved_config(cfg)
     if extra:

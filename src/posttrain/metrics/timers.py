@@ -66,11 +66,6 @@ class StepTimer:
         self._frame_start = now
         return out
 
-    def reset(self) -> None:
-        """Drop the phases timed so far and restart the end-to-end clock (e.g. after a resume)."""
-        self._totals = {}
-        self._frame_start = time.perf_counter()
-
 
 def peak_memory_frame() -> dict[str, float]:
     """``memory/policy_peak_gib``: the most GPU memory torch's allocator held in this process since

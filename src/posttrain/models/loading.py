@@ -45,6 +45,25 @@ def resolve_model_path(name_or_path: str) -> str:
     return str(path.resolve())
 
 
+def local_model_dir(name_or_path: str) -> Path | None:
+    """The local directory ``name_or_path`` names, found without converting, downloading or loading
+    anything (for the preflight); None for an embedded model not converted on this machine yet, or a
+    path that is not a readable directory."""
+    try:
+        if name_or_path.startswith("embedded:"):
+            from posttrain.models import embedded
+
+            spec = embedded._EMBEDDED.get(name_or_path)
+            if spec is None:
+                return None
+            target = embedded.default_cache_root() / "models" / spec.cache_name
+            return target if embedded._has_complete_cache(target) else None
+        path = Path(name_or_path).expanduser()
+        return path if path.is_dir() else None
+    except (OSError, ValueError, RuntimeError):  # too long, a NUL byte, ~unknownuser: not a directory
+        return None
+
+
 def resolve_device(device: str) -> torch.device:
     """``auto`` is CUDA when a GPU is visible, else the CPU; asking for CUDA without one fails."""
     import torch

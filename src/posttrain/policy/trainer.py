@@ -3,27 +3,40 @@
 One call of ``PolicyTrainer.train_on`` consumes one collected batch. It splits the batch into
 ``n_mini`` mini-batches (one optimizer step each) and every mini-batch into micro-batches (a
 memory-only split: each micro-batch's loss is divided by the mini-batch's global token and sequence
-counts, so the summed gradient equals the unsplit one). Which objective runs is decided by the
-``ObjectiveSpec`` built from the config; this file has no ``if loss_type == ...``.
+counts, so the summed gradient equals the unsplit one). Which loss runs, and which passes and
+tensors it needs, is the ``Objective`` the run was assembled with (``policy/objective.py``: GRPO,
+or on-policy distillation's direct or advantage mode); this file has no ``if loss_type == ...``
+and reads no algorithm's own knobs.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from posttrain.algorithm.objectives import LossInputs, LossNormalizer, LossStats, ObjectiveSpec, policy_loss
-from posttrain.config.schema import GRPOConfig
+from posttrain.algorithm.loss_types import LossInputs, LossNormalizer, LossStats
+from posttrain.config.schema import RunConfig
 from posttrain.distributed.cells import cell_config
-from posttrain.distributed.fsdp import DataParallel, first_nonfinite
+from posttrain.distributed.fsdp import DataParallel, first_nonfinite, largest_entry
 from posttrain.errors import PosttrainError, TrainingError
 from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_micro_batches
 from posttrain.policy.logprobs import check_packing_isolates, completion_logprobs
+from posttrain.policy.objective import Objective, objective_spec
 from posttrain.policy.optim import build_optimizer, build_scheduler
 from posttrain.policy.shared_prefix import GroupedBatch, build_grouped_batch, grouped_completion_logprobs
+from posttrain.policy.train_batch import (
+    TrainBatch,
+    pad_rows,
+    sampler_head_tensors,
+    sampler_logprobs_rows,
+    teacher_topk_tensors,
+    token_advantage_rows,
+)
+
+# objective_spec and TrainBatch are re-exported: loop/resume.py and loop/grpo.py import them from here.
+__all__ = ["PROBE_TOLERANCE", "PolicyTrainer", "TrainBatch", "build_reference", "compile_layers", "objective_spec"]
 
 # How far pi_old may sit from the first mini-batch's own logprobs before the run is stopped: the
 # pass uses the same micro-batch composition, so on a deterministic backend the gap is zero; the
@@ -31,59 +44,16 @@ from posttrain.policy.shared_prefix import GroupedBatch, build_grouped_batch, gr
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 
-@dataclass
-class TrainBatch:
-    """The trajectories of one collected batch, as the trainer needs them.
-
-    ``in_loss_B`` is False for completions removed from the loss (truncated ones under
-    ``rl.mask_truncated_completions``); their advantages were still computed with the whole group.
-    ``head_ids`` / ``head_logprobs`` (score centering only) hold the sampler's top-k head: per
-    completion, per generated token, K ids and their sampler logprobs.
-    """
-
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    advantages_B: torch.Tensor
-    in_loss_B: torch.Tensor
-    sampler_logprobs: list[list[float] | None]
-    group_size: int = 1
-    head_ids: list[list[list[int]]] | None = None
-    head_logprobs: list[list[list[float]]] | None = None
-    token_advantages: list[list[float]] | None = None
-    """Per completion, one advantage per generated token (OPD advantage mode); replaces ``advantages_B``."""
-    teacher_topk_ids: list[list[list[int]]] | None = None
-    """OPD direct mode: per completion, per generated token, the teacher's top-k ids."""
-    teacher_topk_logprobs: list[list[list[float]]] | None = None
-    """OPD direct mode: their teacher logprobs."""
-
-
-def objective_spec(cfg: GRPOConfig) -> ObjectiveSpec:
-    """The frozen objective description built from the config."""
-    rl = cfg.rl
-    return ObjectiveSpec(
-        surrogate=rl.grpo_surrogate,
-        importance_sampling_level=rl.importance_sampling_level,
-        loss_type=rl.loss_type,
-        epsilon_low=rl.epsilon_low,
-        epsilon_high=rl.epsilon_high,
-        kl_beta=rl.kl_beta,
-        kl_coeff_clamp=rl.kl_coeff_clamp,
-        max_tokens=cfg.rollout.max_tokens,
-        score_centering=rl.score_centering.enabled,
-        sc_compose=rl.score_centering.compose,
-        is_threshold=rl.score_centering.is_threshold,
-    )
-
-
-def build_reference(policy: nn.Module, cfg: GRPOConfig) -> nn.Module | None:
-    """A frozen copy of the initial policy (or of ``rl.ref.model_dir``) when the KL term needs one."""
-    if cfg.rl.kl_beta <= 0 and not cfg.rl.ref.build_ref:
+def build_reference(policy: nn.Module, cfg: RunConfig, objective: Objective) -> nn.Module | None:
+    """A frozen copy of the initial policy (or of the objective's ``reference_dir``, GRPO's
+    ``rl.ref.model_dir``) when the objective needs one; None otherwise."""
+    if not objective.builds_reference:
         return None
     ref: nn.Module
-    if cfg.rl.ref.model_dir is not None:
+    if objective.reference_dir is not None:
         from posttrain.models.loading import load_model_and_tokenizer
 
-        ref_cfg = cfg.model.model_copy(update={"name_or_path": cfg.rl.ref.model_dir})
+        ref_cfg = cfg.model.model_copy(update={"name_or_path": objective.reference_dir})
         ref, _ = load_model_and_tokenizer(ref_cfg)
     else:
         ref = copy.deepcopy(policy)
@@ -116,28 +86,18 @@ def compile_layers(model: nn.Module) -> None:
         layer.compile(dynamic=True)
 
 
-def sampler_logprobs_rows(batch: TrainBatch, rows: list[int], width: int, device: torch.device) -> torch.Tensor | None:
-    """The sampler's logprobs of ``rows`` padded to ``width`` (fp32), or None when the rollout did not
-    record them for some row (``rollout.sampler_logprobs_every``): then nothing compares against them."""
-    chosen = [batch.sampler_logprobs[i] for i in rows]
-    if any(lp is None for lp in chosen):
-        return None
-    return _pad_rows([torch.tensor(lp, dtype=torch.float32) for lp in chosen if lp is not None], width, device)
-
-
-def _pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
-    """1-D float rows right-padded with zeros to ``width`` columns."""
-    out = torch.zeros(len(rows), width, dtype=torch.float32, device=device)
-    for i, row in enumerate(rows):
-        n = min(width, row.numel())
-        out[i, :n] = row[:n]
-    return out
-
-
 class PolicyTrainer:
     """Owns the optimizer and performs the updates of one collected batch."""
 
-    def __init__(self, model: nn.Module, cfg: GRPOConfig, *, pad_id: int, ref_model: nn.Module | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: RunConfig,
+        *,
+        objective: Objective,
+        pad_id: int,
+        ref_model: nn.Module | None = None,
+    ):
         # An FSDP2-sharded policy (distributed.fsdp.shard_policy): this rank trains one data cell
         # (its batch sizes are the cell's) and reduces counts, norms and metrics over all policy
         # ranks. A plain model gets SingleProcess, whose reductions are the identity.
@@ -147,7 +107,7 @@ class PolicyTrainer:
         self.cfg = cfg
         self.pad_id = pad_id
         self.ref_model = ref_model
-        self.spec = objective_spec(cfg)
+        self.objective = objective
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.optimizer = build_optimizer(model, cfg.rl.optimizer, self.device)
@@ -169,14 +129,15 @@ class PolicyTrainer:
     def _decide_sharing(self, batch: TrainBatch) -> bool:
         """Decide once per collected batch whether its prompts run once per group, and remember it.
 
-        ``model.share_prompt_prefix``, except under score centering: the policy's logprobs at the
-        sampler's head come from the plain path only. ``auto``: share when the batch's mean prompt is
-        at least as long as its mean completion (below that the shared path's cache handling costs
-        more than the repeated prompt tokens it saves). With several policy ranks the lengths of ALL
+        ``model.share_prompt_prefix``, except when the objective reads the policy's logprobs at extra
+        ids (the sampler's head, the teacher's top-k): those come from the plain path only.
+        ``auto``: share when the batch's mean prompt is at least as long as its mean completion
+        (below that the shared path's cache handling costs more than the repeated prompt tokens it
+        saves). With several policy ranks the lengths of ALL
         cells decide, so every rank takes the same forward path (the shared-prefix path runs other
         FSDP collectives; a rank-local decision could desynchronise them)."""
         share = self.cfg.model.share_prompt_prefix
-        if self.spec.score_centering or share is False:
+        if self.objective.plain_path_only or share is False:
             self._share = False
         elif share is True:
             self._share = True
@@ -237,13 +198,16 @@ class PolicyTrainer:
     @torch.no_grad()
     def _old_logprobs(self, batch: TrainBatch) -> list[torch.Tensor] | None:
         """pi_old per sequence: the sampler's logprobs, a frozen pass ahead (n_mini > 1), or None
-        (n_mini == 1: pi_old is the current policy itself, so the ratio is exactly one)."""
+        (n_mini == 1: pi_old is the current policy itself, so the ratio is exactly one; or an
+        objective that forms no ratio)."""
         rl = self.cfg.rl
+        if not self.objective.uses_old_logprobs:
+            return None
         if rl.use_rollout_logprobs_for_loss:
             if any(lp is None for lp in batch.sampler_logprobs):  # the config check makes this unreachable
                 raise TrainingError("rl.use_rollout_logprobs_for_loss: the rollout recorded no sampler logprobs")
             return [torch.tensor(lp, dtype=torch.float32, device=self.device) for lp in batch.sampler_logprobs]
-        if rl.n_mini == 1 or rl.grpo_surrogate == "legacy_pg":
+        if rl.n_mini == 1 or not self.objective.old_logprobs_pass:
             return None
         old: list[torch.Tensor | None] = [None] * len(batch.completion_ids)
         was_training = self.model.training
@@ -256,76 +220,62 @@ class PolicyTrainer:
         self.model.train(was_training)
         return [t for t in old if t is not None]
 
-    def _sampler_head(self, batch: TrainBatch, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sampler's top-k head of ``rows`` padded to ``width`` tokens: ids ``[B, T, K]`` (-1 on
-        padding) and their sampler logprobs (-inf on padding, which marks the entry invalid)."""
-        if batch.head_ids is None or batch.head_logprobs is None:
-            raise TrainingError(
-                "rl.score_centering.enabled=true but the rollout returned no top-k head per token "
-                "(the engine must honour SamplingParams.logprobs_topk)"
-            )
-        k = max((len(tok) for i in rows for tok in batch.head_ids[i]), default=1)
-        ids_BTK = torch.full((len(rows), width, k), -1, dtype=torch.long)
-        logprobs_BTK = torch.full((len(rows), width, k), float("-inf"), dtype=torch.float32)
-        for j, i in enumerate(rows):
-            n = len(batch.completion_ids[i])
-            if len(batch.head_ids[i]) != n or len(batch.head_logprobs[i]) != n:
-                raise TrainingError(
-                    f"completion {i} has {n} tokens but a sampler head for {len(batch.head_ids[i])}; "
-                    "the rollout engine must return one top-k head per generated token"
-                )
-            if n:
-                ids_tk = torch.tensor(batch.head_ids[i], dtype=torch.long)
-                ids_BTK[j, :n, : ids_tk.shape[1]] = ids_tk
-                logprobs_BTK[j, :n, : ids_tk.shape[1]] = torch.tensor(batch.head_logprobs[i], dtype=torch.float32)
-        return ids_BTK.to(self.device), logprobs_BTK.to(self.device)
-
-    def _logprobs_and_head(
-        self, batch: TrainBatch, rows: list[int], pb: PolicyBatch | GroupedBatch
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Score centering: the current logprobs, plus the sampler's head and the current policy's
-        logprobs at the head ids (with gradient), from one forward on the plain path."""
+    def _logprobs_at(self, pb: PolicyBatch | GroupedBatch, ids_BTK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current logprobs and the current policy's logprobs at ``ids_BTK`` (both with gradient),
+        from one forward on the plain path (the chunked LM head gathers K + 1 columns)."""
         if not isinstance(pb, PolicyBatch):
-            raise TypeError("score centering needs the plain PolicyBatch (see _decide_sharing)")
-        ids_BTK, sampler_BTK = self._sampler_head(batch, rows, pb.completion_ids_BT.shape[1])
+            raise TypeError("logprobs at extra ids need the plain PolicyBatch (see _decide_sharing)")
         out = completion_logprobs(
             self.model,
             pb,
             temperature=self.cfg.rl.temperature,
             chunk_tokens=self.cfg.model.logprob_chunk_tokens,
-            head_ids_BTK=ids_BTK.clamp(min=0),  # padding ids gather id 0; they stay invalid through ids_BTK
+            head_ids_BTK=ids_BTK,
         )
         if not isinstance(out, tuple):
-            raise TypeError("completion_logprobs returned no head logprobs")
-        logprobs_BT, policy_BTK = out
-        heads = {
-            "head_ids_BTK": ids_BTK,
-            "head_sampler_logprobs_BTK": sampler_BTK,
-            "head_policy_logprobs_BTK": policy_BTK,
-        }
-        return logprobs_BT, heads
+            raise TypeError("completion_logprobs returned no logprobs at the extra ids")
+        return out
+
+    def _current_logprobs(
+        self, batch: TrainBatch, rows: list[int], pb: PolicyBatch | GroupedBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The current logprobs of ``rows``, plus the top-k views the objective reads: the sampler's
+        head and the policy's logprobs there (score centering), or the teacher's top-k logprobs and
+        the student's at the same ids (direct distillation)."""
+        width = pb.completion_ids_BT.shape[1]
+        if self.objective.sampler_head:
+            ids_BTK, sampler_BTK = sampler_head_tensors(batch, rows, width, self.device)
+            # padding ids gather id 0; they stay invalid through ids_BTK
+            logprobs_BT, policy_BTK = self._logprobs_at(pb, ids_BTK.clamp(min=0))
+            heads = {
+                "head_ids_BTK": ids_BTK,
+                "head_sampler_logprobs_BTK": sampler_BTK,
+                "head_policy_logprobs_BTK": policy_BTK,
+            }
+            return logprobs_BT, heads
+        if self.objective.teacher_topk:
+            teacher_ids_BTK, teacher_BTK = teacher_topk_tensors(batch, rows, width, self.device)
+            logprobs_BT, student_BTK = self._logprobs_at(pb, teacher_ids_BTK)
+            return logprobs_BT, {"teacher_topk_logprobs_BTK": teacher_BTK, "student_topk_logprobs_BTK": student_BTK}
+        return self._logprobs(self.model, pb), {}
 
     def _loss_inputs(
         self, batch: TrainBatch, rows: list[int], pb: PolicyBatch | GroupedBatch, old: list[torch.Tensor] | None
     ) -> LossInputs:
-        heads: dict[str, torch.Tensor] = {}
-        if self.spec.score_centering:
-            logprobs_BT, heads = self._logprobs_and_head(batch, rows, pb)
-        else:
-            logprobs_BT = self._logprobs(self.model, pb)
+        logprobs_BT, topk = self._current_logprobs(batch, rows, pb)
         width = logprobs_BT.shape[1]
         mask_BT = pb.completion_mask_BT.float() * batch.in_loss_B[rows].to(self.device).float()[:, None]
-        old_BT = logprobs_BT.detach() if old is None else _pad_rows([old[i] for i in rows], width, self.device)
+        if self.objective.ignore_prefix_tokens:
+            mask_BT[:, : self.objective.ignore_prefix_tokens] = 0.0
+        old_BT = logprobs_BT.detach() if old is None else pad_rows([old[i] for i in rows], width, self.device)
         ref_BT = None
-        if self.ref_model is not None and self.spec.kl_beta > 0:
+        if self.ref_model is not None and self.objective.reference_logprobs:
             with torch.no_grad():
                 ref_BT = self._logprobs(self.ref_model, pb)
         sampler_BT = sampler_logprobs_rows(batch, rows, width, self.device)
         token_adv_BT = None
         if batch.token_advantages is not None:
-            token_adv_BT = _pad_rows(
-                [torch.tensor(batch.token_advantages[i], dtype=torch.float32) for i in rows], width, self.device
-            )
+            token_adv_BT = token_advantage_rows(batch.token_advantages, rows, width, self.device)
         return LossInputs(
             token_advantages_BT=token_adv_BT,
             logprobs_BT=logprobs_BT,
@@ -334,12 +284,8 @@ class PolicyTrainer:
             mask_BT=mask_BT,
             ref_logprobs_BT=ref_BT,
             sampler_logprobs_BT=sampler_BT,
-            **heads,
+            **topk,
         )
-
-    def _loss(self, inputs: LossInputs, norm: LossNormalizer) -> tuple[torch.Tensor, LossStats]:
-        """This micro-batch's share of the step loss (subclasses swap the objective, e.g. distillation)."""
-        return policy_loss(inputs, self.spec, norm)
 
     def _probe(self, inputs: LossInputs, step: int) -> None:
         """pi_old must equal the first mini-batch's current logprobs: the policy has not moved yet."""
@@ -376,7 +322,7 @@ class PolicyTrainer:
                 if probe:
                     self._probe(inputs, step)
                     probe = False
-                loss, stats = self._loss(inputs, norm)
+                loss, stats = self.objective.loss(inputs, norm)
                 loss.backward()
                 loss_sum += loss.detach()
                 totals = stats if totals is None else totals.merge(stats)
@@ -401,10 +347,16 @@ class PolicyTrainer:
         # the global norm, the same float on every rank: the skip and abort below agree everywhere
         grad_norm = self.dp.clip_grad_norm(params, max_norm)
         if not torch.isfinite(torch.tensor(grad_norm)):
-            bad = first_nonfinite([(self._param_names[id(p)], p.grad) for p in params])
+            named = [(self._param_names[id(p)], p.grad) for p in params]
+            bad = first_nonfinite(named)
+            where = (
+                f"first seen in parameter {bad}"
+                if bad != "?"
+                else f"every entry on this rank is finite, their norm overflowed (largest in {largest_entry(named)})"
+            )
             raise TrainingError(
-                f"step {step}: non-finite gradient (grad_norm={grad_norm}) first seen in parameter {bad}; "
-                "the update was not applied. Lower rl.optimizer.lr, set rl.kl_coeff_clamp, or check the data"
+                f"step {step}: non-finite gradient (grad_norm={grad_norm}), {where}; the update was not applied. "
+                "Lower rl.optimizer.lr, set rl.kl_coeff_clamp, or check the data"
             )
         if grad_norm == 0.0:
             # every group tied (all advantages zero): nothing to learn, and Adam would still move
@@ -412,16 +364,29 @@ class PolicyTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             return grad_norm
         self.dp.reshard(self.model)  # no gathered copy may outlive the shards it was gathered from
-        self.optimizer.step()
+        try:
+            self.optimizer.step()
+        except RuntimeError as exc:  # e.g. an lr whose step size overflows fp32 inside the fused update
+            opt = self.cfg.rl.optimizer
+            raise TrainingError(
+                f"step {step}: the {opt.name} step failed at rl.optimizer.lr={opt.lr:g} ({exc}); the update was not "
+                "applied. Lower rl.optimizer.lr"
+            ) from None
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.optimizer_step += 1
         weights = list[torch.Tensor](params)
         finite = self.dp.all_finite(weights)  # one verdict for all ranks, or some would step on
         if not finite:
-            bad = first_nonfinite([(self._param_names[id(p)], p) for p in params])
+            named = [(self._param_names[id(p)], p) for p in params]
+            bad = first_nonfinite(named)
+            what = (
+                f"non-finite weights in parameter {bad}"
+                if bad != "?"
+                else f"weights so large that their norm overflows (largest in {largest_entry(named)})"
+            )
             raise TrainingError(
-                f"step {step}: the optimizer step produced non-finite weights in parameter {bad} "
-                f"(optimizer {self.cfg.rl.optimizer.name}); resume from the last checkpoint with a lower lr"
+                f"step {step}: the optimizer step produced {what} (optimizer {self.cfg.rl.optimizer.name}, "
+                f"rl.optimizer.lr={self.cfg.rl.optimizer.lr:g}); resume from the last checkpoint with a lower lr"
             )
         return grad_norm

@@ -8,7 +8,7 @@ text, and each chunk's teacher-minus-student logprob becomes per-token credit
 ``A(t) = (L_T / L_S - 1) * log p(t)``, trained with the clipped surrogate (``rl.reward=constant``:
 the teacher is the only signal). ``train/opd_dpca_chunk_gap_mean`` (student minus teacher chunk
 logprob) falls as the student moves toward the teacher. DPCA needs unwarped sampling at temperature
-1, ``teacher.top_k=0``, ``jsd_beta=null`` and ``kl_beta=0``; the preflight refuses anything else.
+1, ``teacher.top_k=0`` and ``jsd_beta=null``; the preflight refuses anything else.
 """
 
 from posttrain.config.opd import OPDConfig

@@ -2,7 +2,9 @@
 
 Each returns 1.0 or 0.0 for a well-formed completion (a completion with no answer in it is a real
 failed attempt and scores 0.0) and raises ``RewardError`` when the *ground truth* is unusable,
-because that is a data fault, not something the policy did.
+because that is a data fault, not something the policy did. Each reward that reads a ground truth
+also declares ``check_ground_truth``, the same test run on a bare value, so the preflight refuses
+such rows by file and line before the run starts.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from posttrain.errors import RewardError
 from posttrain.rewards.base import RewardInput
 from posttrain.rewards.registry import register_reward
+from posttrain.rewards.scoring import describe_value
 
 _NEEDS_ANSWER = frozenset({"prompt", "ground_truth"})
 _MINUS = "-\u2212"  # ASCII hyphen-minus and the Unicode minus sign
@@ -58,8 +62,24 @@ def numeric_ground_truth(value: Any, reward: str) -> Decimal:
             except InvalidOperation:
                 number = None
     if number is None:
-        raise RewardError(f"reward {reward!r}: ground truth {value!r} is not a number")
+        raise RewardError(
+            f"reward {reward!r}: ground truth {describe_value(value)} ({type(value).__name__}) is not a number; "
+            'give an int, a finite float or a numeric string such as "12"'
+        )
     return number
+
+
+def _problem(check: Callable[[Any], object]) -> Callable[[Any], str | None]:
+    """``check_ground_truth`` from a parser that raises ``RewardError`` on an unusable value."""
+
+    def check_ground_truth(value: Any) -> str | None:
+        try:
+            check(value)
+        except RewardError as exc:
+            return str(exc)
+        return None
+
+    return check_ground_truth
 
 
 def last_number(text: str) -> Decimal | None:
@@ -74,7 +94,9 @@ def first_number(text: str) -> Decimal | None:
     return _to_decimal(match.group(0)) if match else None
 
 
-@register_reward("arithmetic", requires=_NEEDS_ANSWER)
+@register_reward(
+    "arithmetic", requires=_NEEDS_ANSWER, check_ground_truth=_problem(lambda v: numeric_ground_truth(v, "arithmetic"))
+)
 def arithmetic(sample: RewardInput) -> float:
     """1.0 when the last number in the completion equals the ground truth numerically (the answer
     a completion ends on, after any working)."""
@@ -83,7 +105,11 @@ def arithmetic(sample: RewardInput) -> float:
     return 1.0 if answer is not None and answer == truth else 0.0
 
 
-@register_reward("arithmetic_first", requires=_NEEDS_ANSWER)
+@register_reward(
+    "arithmetic_first",
+    requires=_NEEDS_ANSWER,
+    check_ground_truth=_problem(lambda v: numeric_ground_truth(v, "arithmetic_first")),
+)
 def arithmetic_first(sample: RewardInput) -> float:
     """1.0 when the first number in the completion equals the ground truth numerically: the answer
     given up front, as "Reply with only the number" asks (restating "13 + 14 = 27" scores 0)."""
@@ -96,11 +122,30 @@ def _collapse(text: str) -> str:
     return " ".join(text.split())
 
 
-@register_reward("exact_match", requires=_NEEDS_ANSWER)
+def exact_match_truth(value: Any) -> str:
+    """The text an ``exact_match`` ground truth stands for; ``RewardError`` for values that are no
+    answer text: containers, bools, non-finite floats, and blank strings (which would reward an empty
+    completion)."""
+    if isinstance(value, (bool, list, tuple, dict, set)) or value is None:
+        raise RewardError(
+            f"reward 'exact_match': ground truth {describe_value(value)} ({type(value).__name__}) is not an answer "
+            "text; give a string or a number"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RewardError(f"reward 'exact_match': ground truth {value} is not a finite number")
+    text = _collapse(str(value))
+    if not text:
+        raise RewardError(
+            "reward 'exact_match': ground truth is a blank string, which only an empty completion would match"
+        )
+    return text
+
+
+@register_reward("exact_match", requires=_NEEDS_ANSWER, check_ground_truth=_problem(exact_match_truth))
 def exact_match(sample: RewardInput) -> float:
     """1.0 when the completion equals the ground truth up to surrounding and repeated whitespace."""
-    truth = _ground_truth(sample, "exact_match")
-    return 1.0 if _collapse(sample.completion) == _collapse(str(truth)) else 0.0
+    truth = exact_match_truth(_ground_truth(sample, "exact_match"))
+    return 1.0 if _collapse(sample.completion) == truth else 0.0
 
 
 def gsm8k_final_answer(text: str) -> Decimal | None:
@@ -112,19 +157,24 @@ def gsm8k_final_answer(text: str) -> Decimal | None:
     return _to_decimal(match.group()) if match else None
 
 
-@register_reward("gsm8k", requires=_NEEDS_ANSWER)
+def gsm8k_truth(raw: Any) -> Decimal:
+    """The reference number of a ``gsm8k`` ground truth: the number itself or a full GSM8K solution
+    ending in ``#### N``; ``RewardError`` when there is none."""
+    if isinstance(raw, str) and "####" in raw:
+        truth = gsm8k_final_answer(raw)
+        if truth is None:
+            raise RewardError(f"reward 'gsm8k': ground truth has no number after '####': {raw[-80:]!r}")
+        return truth
+    return numeric_ground_truth(raw, "gsm8k")
+
+
+@register_reward("gsm8k", requires=_NEEDS_ANSWER, check_ground_truth=_problem(gsm8k_truth))
 def gsm8k(sample: RewardInput) -> float:
     """1.0 when the number after the completion's last ``####`` equals the reference answer.
 
     The reference may be the number itself or a full GSM8K solution ending in ``#### N``.
     """
-    raw = _ground_truth(sample, "gsm8k")
-    if isinstance(raw, str) and "####" in raw:
-        truth = gsm8k_final_answer(raw)
-        if truth is None:
-            raise RewardError(f"reward 'gsm8k': ground truth has no number after '####': {raw[-80:]!r}")
-    else:
-        truth = numeric_ground_truth(raw, "gsm8k")
+    truth = gsm8k_truth(_ground_truth(sample, "gsm8k"))
     answer = gsm8k_final_answer(sample.completion)
     return 1.0 if answer is not None and answer == truth else 0.0
 

@@ -113,7 +113,17 @@ def score_equation(equation: str, task: CountdownTask) -> float:
     return 1.0 if value == task.target else 0.0
 
 
-@register_reward("countdown", requires=frozenset({"prompt", "ground_truth"}))
+def _countdown_truth_problem(value: Any) -> str | None:
+    try:
+        parse_countdown_truth(value)
+    except RewardError as exc:
+        return str(exc)
+    return None
+
+
+@register_reward(
+    "countdown", requires=frozenset({"prompt", "ground_truth"}), check_ground_truth=_countdown_truth_problem
+)
 def countdown(sample: RewardInput) -> float:
     """1.0 when the completion's equation uses each number once and reaches the target."""
     if sample.ground_truth is None:

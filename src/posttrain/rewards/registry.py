@@ -1,22 +1,26 @@
-"""The reward registry: names to scorers, custom scorers by import path, and checked scoring.
+"""The reward registry: names to scorers, custom scorers by import path, ground-truth checks.
 
-``score_completions`` is the only way the loop calls a reward: it refuses a sample that lacks a
-field the reward requires and a score that is not a finite number, so a broken scorer or a missing
-answer can never pass as a legitimate zero.
+``score_completions`` (``posttrain.rewards.scoring``, re-exported here) is the only way the loop
+calls a reward. A reward may declare ``check_ground_truth(value) -> str | None``: the problem with
+a ground-truth value it cannot use (``None`` when usable), so the preflight can refuse such a row
+by file and line before any model loads instead of steps into the run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
-import math
-import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.errors import RewardError
+from posttrain.importing import import_object
 from posttrain.rewards.base import Reward, RewardInput
+from posttrain.rewards.scoring import DEFAULT_REWARD_TIMEOUT_S, describe_value, score_completions
+
+GroundTruthCheck = Callable[[Any], "str | None"]
+"""``check_ground_truth(value)``: why ``value`` is not a ground truth the reward can use, or None."""
 
 # Modules whose import registers the built-in rewards; imported on first use so that this module and
 # the built-ins can import each other's names without an import cycle.
@@ -27,13 +31,21 @@ _DEFAULT_REQUIRES = frozenset({"prompt"})
 
 @dataclass
 class FunctionReward:
-    """A plain function ``RewardInput -> float`` with the ``name`` and ``requires`` of a ``Reward``."""
+    """A plain function ``RewardInput -> float`` with the ``name`` and ``requires`` of a ``Reward``.
+
+    ``check_ground_truth`` (optional) vets a ground-truth value up front; ``batched``: ``fn`` takes
+    the list of inputs and returns one score per input; ``timeout_s``: seconds one call may take
+    (``rl.reward_timeout_s``; None: ``DEFAULT_REWARD_TIMEOUT_S``).
+    """
 
     name: str
     requires: frozenset[str]
-    fn: Callable[[RewardInput], Any]
+    fn: Callable[[Any], Any]
+    check_ground_truth: GroundTruthCheck | None = None
+    batched: bool = False
+    timeout_s: float | None = None
 
-    def __call__(self, sample: RewardInput) -> float:
+    def __call__(self, sample: Any) -> Any:
         return self.fn(sample)
 
 
@@ -46,9 +58,14 @@ def _as_requires(value: Any, owner: str) -> frozenset[str]:
 
 
 def register_reward(
-    name: str, *, requires: Iterable[str] = _DEFAULT_REQUIRES
+    name: str,
+    *,
+    requires: Iterable[str] = _DEFAULT_REQUIRES,
+    check_ground_truth: GroundTruthCheck | None = None,
+    batched: bool = False,
 ) -> Callable[[Callable[[RewardInput], Any]], FunctionReward]:
-    """Decorator: register ``fn`` under ``name`` as a reward that needs the fields ``requires``.
+    """Decorator: register ``fn`` under ``name`` as a reward that needs the fields ``requires``
+    (``check_ground_truth`` and ``batched``: see ``FunctionReward``).
 
     Registering a name twice fails at import time, so two rewards can never shadow each other.
     """
@@ -56,7 +73,13 @@ def register_reward(
     def decorate(fn: Callable[[RewardInput], Any]) -> FunctionReward:
         if name in _REGISTRY:
             raise ValueError(f"reward name {name!r} is already registered")
-        reward = FunctionReward(name=name, requires=_as_requires(requires, name), fn=fn)
+        reward = FunctionReward(
+            name=name,
+            requires=_as_requires(requires, name),
+            fn=fn,
+            check_ground_truth=check_ground_truth,
+            batched=batched,
+        )
         _REGISTRY[name] = reward
         return reward
 
@@ -75,31 +98,58 @@ def known_rewards() -> list[str]:
 
 
 def _import_custom(path: str) -> Reward:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"rl.reward: {path!r} is not of the form 'module:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # any failure while importing user code is a config problem to report
-        raise ValueError(f"rl.reward: cannot import module {module_name!r} of {path!r}: {exc!r}") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"rl.reward: module {module_name!r} has no attribute {attr!r} (from {path!r})")
-        obj = getattr(obj, part)
+    obj = import_object(path, what="rl.reward", must_be_callable=True)
     if isinstance(obj, FunctionReward):
         return obj
-    if not callable(obj):
-        raise ValueError(f"rl.reward: {path!r} is a {type(obj).__name__}, not a function")
     requires = _as_requires(getattr(obj, "requires", _DEFAULT_REQUIRES), path)
-    return FunctionReward(name=path, requires=requires, fn=obj)
+    check = getattr(obj, "check_ground_truth", None)
+    if check is not None and not callable(check):
+        raise ValueError(f"rl.reward={path}: check_ground_truth must be a function value -> str | None, got {check!r}")
+    return FunctionReward(
+        name=path, requires=requires, fn=obj, check_ground_truth=check, batched=bool(getattr(obj, "batched", False))
+    )
 
 
-def get_reward(name: str) -> Reward:
+def get_reward(name: str, *, timeout_s: float | None = None) -> Reward:
     """Resolve a built-in reward name or a ``module:function`` import path.
 
     A custom function takes a ``RewardInput`` and returns a float; it may declare the fields it needs
-    as a ``requires`` attribute (default ``{"prompt"}``).
+    as a ``requires`` attribute (default ``{"prompt"}``), a ``check_ground_truth(value) -> str | None``
+    attribute, and ``batched = True`` (it then takes the list of inputs and returns a list of scores).
+    ``timeout_s`` (``rl.reward_timeout_s``) bounds each call (``with_timeout``).
     """
+    reward = _resolve(name)
+    return reward if timeout_s is None else with_timeout(reward, timeout_s)
+
+
+def with_timeout(reward: Reward, timeout_s: float) -> Reward:
+    """A copy of ``reward`` whose calls ``score_completions`` bounds by ``timeout_s`` seconds (0: none);
+    the registered reward itself is left unchanged."""
+    if isinstance(reward, FunctionReward):
+        return dataclasses.replace(reward, timeout_s=timeout_s)
+    return FunctionReward(
+        name=getattr(reward, "name", repr(reward)),
+        requires=getattr(reward, "requires", _DEFAULT_REQUIRES),
+        fn=reward,
+        check_ground_truth=getattr(reward, "check_ground_truth", None),
+        batched=bool(getattr(reward, "batched", False)),
+        timeout_s=timeout_s,
+    )
+
+
+def ground_truth_problem(reward: Reward, value: Any) -> str | None:
+    """What ``reward.check_ground_truth`` says about ``value`` (None: usable, or the reward declares no check)."""
+    check = getattr(reward, "check_ground_truth", None)
+    if check is None:
+        return None
+    try:
+        problem = check(value)
+    except Exception as exc:  # a user's check that raises counts as a refusal, with its reason
+        return f"reward {getattr(reward, 'name', reward)!r}: check_ground_truth raised {type(exc).__name__}: {exc}"
+    return None if problem is None else str(problem)
+
+
+def _resolve(name: str) -> Reward:
     if ":" in name:
         return _import_custom(name)
     _load_builtins()
@@ -118,54 +168,15 @@ def reward_requires(name: str) -> frozenset[str]:
     return get_reward(name).requires
 
 
-def _field_value(sample: RewardInput, field: str) -> Any:
-    if hasattr(sample, field):
-        return getattr(sample, field)
-    return sample.metadata.get(field)
-
-
-def _checked_score(value: Any, reward_name: str, label: str) -> float:
-    # bool is an int subclass but a True/False "score" is almost always a forgotten float().
-    if value is None or isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise RewardError(
-            f"reward {reward_name!r} returned {value!r} ({type(value).__name__}) for {label}; "
-            "a reward must return a finite float"
-        )
-    score = float(value)
-    if not math.isfinite(score):
-        raise RewardError(f"reward {reward_name!r} returned {score} for {label}; a reward must return a finite float")
-    return score
-
-
-def score_completions(reward: Reward, inputs: list[RewardInput], uids: list[str] | None = None) -> list[float]:
-    """Score every input with ``reward``; any missing field, bad score or exception is a ``RewardError``.
-
-    ``uids`` (one per input) name the samples in errors; without them the index is used.
-    """
-    if uids is not None and len(uids) != len(inputs):
-        raise ValueError(f"score_completions got {len(uids)} uids for {len(inputs)} inputs")
-    name = getattr(reward, "name", repr(reward))
-    requires = getattr(reward, "requires", _DEFAULT_REQUIRES)
-    scores: list[float] = []
-    for i, sample in enumerate(inputs):
-        label = f"sample {uids[i]!r} (index {i})" if uids is not None else f"sample index {i}"
-        if not isinstance(sample.completion, str):
-            raise RewardError(
-                f"reward {name!r}: {label} has a malformed completion {sample.completion!r} (expected text)"
-            )
-        for field in sorted(requires):
-            if _field_value(sample, field) is None:
-                hint = (
-                    "; set rl.data.response_column to the ground-truth column, or pick a reward that needs none"
-                    if field == "ground_truth"
-                    else ""
-                )
-                raise RewardError(
-                    f"reward {name!r}: {label} is missing field {field} (the reward requires {sorted(requires)}){hint}"
-                )
-        try:
-            value = reward(sample)
-        except Exception as exc:  # re-raised with the reward and sample named; the cause stays chained
-            raise RewardError(f"reward {name!r} failed on {label}: {type(exc).__name__}: {exc}") from exc
-        scores.append(_checked_score(value, name, label))
-    return scores
+__all__ = [
+    "DEFAULT_REWARD_TIMEOUT_S",
+    "FunctionReward",
+    "describe_value",
+    "get_reward",
+    "ground_truth_problem",
+    "known_rewards",
+    "register_reward",
+    "reward_requires",
+    "score_completions",
+    "with_timeout",
+]

@@ -1,9 +1,13 @@
-"""The rollout engine protocol shared by the transformers engine and (later) vLLM."""
+"""The rollout engine protocol shared by the transformers engine, the vLLM engine and the proxy to a
+remote (Ray) replica, and the types they exchange."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from posttrain.distributed.fsdp import PolicyWeights
 
 FinishReason = Literal["stop", "length"]
 
@@ -80,14 +84,20 @@ def check_generate_inputs(prompt_token_ids: list[list[int]], n: int, params: Sam
 
 
 class RolloutEngine(Protocol):
-    """Samples completions. Engines receive policy weights through ``load_weights``."""
+    """Samples completions. Engines receive policy weights through ``receive_weights``."""
 
-    weight_version: int
+    @property
+    def weight_version(self) -> int:
+        """The optimizer step whose weights the engine samples with (0: the initial weights)."""
+        ...
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> RolloutBatch: ...
 
-    def load_weights(self, named_tensors: Any, version: int) -> None:
-        """Copy new policy weights in; stamp ``version`` only after the whole transfer succeeded."""
+    def receive_weights(self, weights: PolicyWeights, version: int) -> None:
+        """Take the policy's current weights and stamp ``version`` only after the whole transfer
+        succeeded. Every policy rank's engine calls it in step (``weights.full_state_dict()`` is a
+        collective when the policy is sharded); an engine that samples with the policy module itself
+        (``weights.shares(module)``) has nothing to copy."""
         ...
 
     def close(self) -> None: ...

@@ -2,15 +2,17 @@
 
 Colocated (the default) it lives in the policy's process: the transformers engine samples with the
 policy module itself, the vLLM engine holds its own copy of the weights. Under
-``grid.gpu_placement=disaggregated`` (Ray) the engine is a proxy to this rank's rollout replica.
+``grid.gpu_placement=disaggregated`` (Ray) the engine is a proxy to this rank's rollout replica
+(``rollout/remote.py``), and the replica builds its own engine with ``build_hf_engine`` /
+``build_vllm_engine`` below (``rollout/replica.py``): one construction for both places.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from posttrain.config.schema import GRPOConfig
+from posttrain.config.schema import RunConfig
 from posttrain.distributed.fsdp import will_shard_policy
 from posttrain.distributed.world import rank_and_world
 from posttrain.metrics.sinks import MetricsLogger
@@ -18,27 +20,57 @@ from posttrain.models.loading import resolve_model_path
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.hf_engine import HFRolloutEngine
 
+if TYPE_CHECKING:
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
-def build_rollout_engine(cfg: GRPOConfig, model: Any, tokenizer: Any, log: MetricsLogger) -> RolloutEngine:
+
+def build_rollout_engine(cfg: RunConfig, model: Any, tokenizer: Any, log: MetricsLogger) -> RolloutEngine:
     """This rank's rollout engine, built from the whole (not yet sharded) policy ``model``."""
-    ro = cfg.rollout
     if cfg.grid.gpu_placement == "disaggregated":
-        from posttrain.launch.ray_backend import rollout_proxy
+        from posttrain.rollout.remote import rollout_proxy
 
         return rollout_proxy(cfg, rank_and_world()[0])
-    if ro.backend != "vllm":
+    if cfg.rollout.backend != "vllm":
         # The transformers engine samples with the module it is given; a policy about to be sharded
         # over several ranks cannot be sampled from, so the engine gets its own whole copy then.
         engine_model = copy.deepcopy(model) if will_shard_policy() else model
-        return HFRolloutEngine(engine_model, tokenizer, batch_size=ro.batch_size)
-    from posttrain.rollout.vllm_engine import engine_from_config
-
-    engine = engine_from_config(
-        ro,
+        return build_hf_engine(cfg, engine_model, tokenizer)
+    engine = build_vllm_engine(
+        cfg,
         resolve_model_path(cfg.model.name_or_path),
         tokenizer,
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-        policy=model,
     )
     log.info(f"vLLM engine started in {engine.start_s:.1f}s (logprobs_mode={engine.logprobs_mode})")
     return engine
+
+
+def build_hf_engine(cfg: RunConfig, model: Any, tokenizer: Any) -> HFRolloutEngine:
+    """The transformers engine the ``rollout`` section describes, sampling with ``model``."""
+    return HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
+
+
+def build_vllm_engine(
+    cfg: RunConfig, model_dir: str, tokenizer: Any, *, dtype: str, enable_sleep_mode: bool | None = None
+) -> VLLMRolloutEngine:
+    """The vLLM engine the ``rollout`` section describes, on ``model_dir``'s weights in ``dtype``;
+    ``enable_sleep_mode`` overrides ``rollout.enable_sleep_mode`` (a replica with a GPU of its own
+    has nothing to make room for)."""
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+
+    ro = cfg.rollout
+    return VLLMRolloutEngine(
+        model_dir,
+        tokenizer,
+        temperature=ro.temperature,
+        gpu_memory_utilization=ro.gpu_memory_utilization,
+        tensor_parallel_size=ro.tensor_parallel_size,
+        max_model_len=ro.max_model_len,
+        enforce_eager=ro.enforce_eager,
+        enable_sleep_mode=ro.enable_sleep_mode if enable_sleep_mode is None else enable_sleep_mode,
+        async_scheduling=ro.async_scheduling,
+        sleep_level=ro.sleep_level,
+        seed=ro.seed,
+        dtype=dtype,
+        separate_process=ro.separate_engine_process,
+    )

@@ -36,11 +36,10 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain.errors import TrainingError
 from posttrain.models.chat import eos_token_ids
 from posttrain.rollout.base import (
     Completion,
@@ -50,6 +49,10 @@ from posttrain.rollout.base import (
     check_generate_inputs,
     generation_stats,
 )
+from posttrain.rollout.state import EngineState
+
+if TYPE_CHECKING:
+    from posttrain.distributed.fsdp import PolicyWeights
 
 
 @dataclass
@@ -99,17 +102,6 @@ def warp_logits(scores_BV: torch.Tensor, params: SamplingParams, seen_BV: torch.
         sorted_BV = sorted_BV.masked_fill(mass_before_BV >= params.top_p, float("-inf"))
         scores_BV = torch.full_like(scores_BV, float("-inf")).scatter(-1, order_BV, sorted_BV)
     return scores_BV
-
-
-def sample_tokens(
-    raw_logits_BV: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator,
-    seen_BV: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; returns ``(ids_B, logprobs_B)`` with the raw tempered logprobs."""
-    ids_B, logprobs_BV = draw_tokens(raw_logits_BV, params, generator, seen_BV)
-    return ids_B, logprobs_BV.gather(-1, ids_B[:, None]).squeeze(-1)
 
 
 def draw_tokens(
@@ -226,59 +218,64 @@ class HFRolloutEngine:
         pad = getattr(tokenizer, "pad_token_id", None)
         # The pad id only fills masked slots, so any valid id works when the tokenizer has none.
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
-        self.weight_version = 0
-        self._calls = 0
-        self._poisoned: str | None = None
+        self.state = EngineState()
 
     # -- state ---------------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self.state.weight_version
+
     def state_dict(self) -> dict[str, int]:
         """The sampling stream's position (saved in checkpoints so a resume draws the same samples)."""
-        return {"generate_calls": self._calls}
+        return self.state.state_dict()
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self._calls = int(state["generate_calls"])
+        self.state.load_state_dict(state)
 
     def close(self) -> None:
         """Nothing to release: the engine holds no processes or pools."""
 
     # -- weights -------------------------------------------------------------------------------
+    def receive_weights(self, weights: PolicyWeights, version: int) -> None:
+        """The policy's current weights, stamped ``version``. An engine that samples with the policy
+        module itself (colocated, one process) has nothing to copy; one with its own copy (several
+        ranks, a replica) takes the full tensors (a collective when the policy is sharded)."""
+        if weights.shares(self.model):
+            self.state.commit(version)
+            return
+        self.load_weights(weights.full_state_dict(), version)
+
     def load_weights(
-        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None, version: int
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
     ) -> None:
         """Copy ``named_tensors`` into the module and stamp ``version`` once all were copied.
 
-        ``None`` means the engine shares the policy's module (nothing to copy). If a copy fails
-        midway the module holds a mix of versions: the engine is poisoned and refuses to sample.
+        If a copy fails midway the module holds a mix of versions: the engine is poisoned and
+        refuses to sample.
         """
-        if named_tensors is not None:
-            pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-            targets = self.model.state_dict(keep_vars=True)
-            copied = 0
-            try:
-                with torch.no_grad():
-                    for name, tensor in pairs:
-                        if name not in targets:
-                            raise KeyError(f"the rollout model has no tensor named {name!r}")
-                        targets[name].copy_(tensor)
-                        copied += 1
-            except Exception as err:
-                self._poisoned = (
-                    f"load_weights for version {version} failed after {copied} tensor(s): {err}; the rollout "
-                    "weights are a mix of versions"
-                )
-                raise TrainingError(f"{self._poisoned}. Resume from the last checkpoint (rl.resume=auto).") from err
-        self.weight_version = version
+        pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        targets = self.model.state_dict(keep_vars=True)
+        copied = 0
+        try:
+            with torch.no_grad():
+                for name, tensor in pairs:
+                    if name not in targets:
+                        raise KeyError(f"the rollout model has no tensor named {name!r}")
+                    targets[name].copy_(tensor)
+                    copied += 1
+        except Exception as err:
+            raise self.state.poison(
+                f"load_weights for version {version} failed after {copied} tensor(s): {err}; the rollout "
+                "weights are a mix of versions"
+            ) from err
+        self.state.commit(version)
 
     # -- sampling ------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> RolloutBatch:
         """``n`` completions per prompt, grouped by prompt (prompt 0's ``n`` first)."""
-        if self._poisoned is not None:
-            raise TrainingError(
-                f"the rollout engine cannot sample: {self._poisoned}. Resume from the last checkpoint (rl.resume=auto)."
-            )
+        self.state.check_usable()
         check_generate_inputs(prompt_token_ids, n, params)
-        call_index = self._calls
-        self._calls += 1
+        call_index = self.state.next_call()
         device = next(self.model.parameters()).device
         generator = torch.Generator(device=device)
         if params.seed is None:

@@ -1,1 +1,1 @@
-"""The frozen teacher role of on-policy distillation: scoring engines, prompt rendering, signals."""
+"""The frozen teacher role of on-policy distillation: scoring engines, prompt rendering, scoring signals."""

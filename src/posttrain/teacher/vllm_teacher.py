@@ -38,7 +38,7 @@ class VLLMTeacher:
         max_model_len: int | None = None,
         dtype: str = "auto",
     ) -> None:
-        from posttrain.rollout.vllm_engine import build_llm, choose_engine_core_process, import_vllm
+        from posttrain.rollout.vllm_runtime import build_llm, choose_engine_core_process, import_vllm
 
         vllm = import_vllm()
         self.engine_threads = torch.get_num_threads()
@@ -69,7 +69,7 @@ class VLLMTeacher:
         check_requests(requests, self.vocab_size, self.max_model_len)
         params = self.vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_k, detokenize=False)
         prompts = [{"prompt_token_ids": r.token_ids} for r in requests]
-        from posttrain.rollout.vllm_engine import engine_thread_count
+        from posttrain.rollout.vllm_runtime import engine_thread_count
 
         with engine_thread_count(self.engine_threads):
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -94,6 +94,6 @@ class VLLMTeacher:
         llm, self.llm = self.llm, None
         if llm is None or not self._owns_llm:
             return
-        from posttrain.rollout.vllm_engine import shutdown_llm
+        from posttrain.rollout.vllm_runtime import shutdown_llm
 
         shutdown_llm(llm)

@@ -7,22 +7,31 @@ bounded number of attempts (an engine error or an invalid payload fails the atte
 sequence), and returns per completion either the teacher's top-k (direct mode) or a per-token
 credit (advantage mode), with the spec's ``train/opd_*`` metrics. Nothing reaches the trainer
 until the whole batch is valid.
+
+The student's text is whatever it sampled (control characters, replacement characters for invalid
+UTF-8), and a cross-tokenizer teacher need not reproduce it: its tokenizer may drop a character,
+spell it as its unknown token or normalise the text. That is no failure (a retry would meet the
+same text): DPCA aligns the two texts and gives no credit where they differ
+(:mod:`posttrain.algorithm.dpca`), which the ``train/opd_dpca_*`` coverage metrics count.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from posttrain.algorithm.distillation import TeacherPayloadError, validate_teacher_topk
-from posttrain.algorithm.dpca import DpcaStats, align_chunks, dpca_credit, eos_chunk
+from posttrain.algorithm.dpca import Chunk, DpcaStats, align_chunks, dpca_credit, eos_chunk
 from posttrain.config.opd import OPDConfig
 from posttrain.rollout.base import Completion, RolloutBatch
 from posttrain.teacher.base import ScoreRequest, SequenceScores, Teacher, TeacherError
 from posttrain.teacher.render import render_teacher_prefix
 from posttrain.teacher.text_offsets import token_end_offsets
+
+_log = logging.getLogger("posttrain.teacher")
 
 
 @dataclass
@@ -34,7 +43,15 @@ class CrossTokenView:
     teacher_body: list[int]
     """The teacher's tokenization of the same text."""
     text: str
+    """The student's decode of ``student_body``."""
+    teacher_text: str
+    """The teacher's decode of ``teacher_body``: ``text`` unless its tokenizer changed something."""
     has_eos: bool
+    """The student's completion ended with its EOS."""
+    teacher_eos: bool = False
+    """The teacher's EOS follows ``teacher_body`` in the request (paired with the student's)."""
+    request_index: int | None = None
+    """Its request in the batch; ``None`` when the teacher had no token of it to score."""
 
 
 @dataclass
@@ -75,6 +92,7 @@ class TeacherSignals:
         self.cross = cfg.rl.teacher.input_mode == "cross_token_text"
         teacher_eos = _eos_ids(teacher.tokenizer)
         self.teacher_eos = teacher_eos[0] if teacher_eos else None
+        self._reported: set[str] = set()
 
     # -- requests ---------------------------------------------------------------------------------
     def _cross_view(self, completion: Completion) -> CrossTokenView:
@@ -82,17 +100,13 @@ class TeacherSignals:
         # The engines end a stopped completion with the EOS id that stopped it (rollout.base contract).
         has_eos = bool(ids) and completion.finish_reason == "stop"
         body = ids[:-1] if has_eos else ids
-        text = self.student_tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text = str(self.student_tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        # Invalid UTF-8 the student sampled is already U+FFFD in `text` (tokenizers decode lossily).
         teacher_body = list(self.teacher.tokenizer(text, add_special_tokens=False)["input_ids"])
         back = self.teacher.tokenizer.decode(
             teacher_body, skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
-        if back != text:
-            raise TeacherError(
-                f"the teacher tokenizer does not reproduce the student's completion text exactly "
-                f"({text[:60]!r} -> {back[:60]!r}); DPCA needs a lossless teacher tokenizer"
-            )
-        return CrossTokenView(body, teacher_body, text, has_eos)
+        return CrossTokenView(body, teacher_body, text, str(back), has_eos)
 
     def _requests(
         self, rollout: RolloutBatch, prompts: list[Any]
@@ -121,7 +135,11 @@ class TeacherSignals:
         views = [self._cross_view(c) for c in rollout.completions]
         reqs = []
         for c, view in zip(rollout.completions, views, strict=True):
-            tail = [self.teacher_eos] if view.has_eos and self.teacher_eos is not None else []
+            view.teacher_eos = view.has_eos and self.teacher_eos is not None
+            tail = [self.teacher_eos] if view.teacher_eos else []
+            if not view.teacher_body and not tail:
+                continue  # the teacher's tokenizer kept nothing of this text: no credit, nothing to score
+            view.request_index = len(reqs)
             prefix = prefixes[c.prompt_index]
             reqs.append(ScoreRequest(prefix + view.teacher_body + tail, len(prefix)))
         return reqs, views
@@ -136,7 +154,8 @@ class TeacherSignals:
             counters.request += 1
             try:
                 requests, views = self._requests(rollout, prompts)
-                scores = self.teacher.score(requests, t.top_k if t.signal_mode == "topk" else 0)
+                # Every text of the batch may have tokenized to nothing (cross-tokenizer mode): nothing to score.
+                scores = self.teacher.score(requests, t.top_k if t.signal_mode == "topk" else 0) if requests else []
                 signal = self._signal(rollout, requests, scores, views)
             except (TeacherError, TeacherPayloadError, RuntimeError, ValueError) as exc:
                 counters.failure += 1
@@ -200,18 +219,13 @@ class TeacherSignals:
         rl = self.cfg.rl
         credits: list[list[float]] = []
         totals: DpcaStats | None = None
-        for c, s, view in zip(rollout.completions, scores, views, strict=True):
-            chunks = align_chunks(
-                token_end_offsets(self.student_tokenizer, view.student_body),
-                token_end_offsets(self.teacher.tokenizer, view.teacher_body),
-                view.text,
-                max_chunk_tokens=rl.teacher.dpca_max_chunk_tokens,
-            )
-            if view.has_eos:
-                chunks.append(eos_chunk(len(view.student_body), len(view.teacher_body), len(view.text)))
+        for n, (c, view) in enumerate(zip(rollout.completions, views, strict=True)):
+            chunks = self._chunks(view)
+            self._report_rejected(n, view, chunks)
+            teacher_logprobs = scores[view.request_index].logprobs if view.request_index is not None else []
             credit, stats = dpca_credit(
                 torch.tensor(c.logprobs, dtype=torch.float64),
-                torch.tensor(s.logprobs, dtype=torch.float64),
+                torch.tensor(teacher_logprobs, dtype=torch.float64),
                 chunks,
                 n_ignore_prefix_tokens=rl.n_ignore_prefix_tokens,
             )
@@ -219,6 +233,57 @@ class TeacherSignals:
             totals = stats if totals is None else totals.merge(stats)
         metrics = {k: float(v) for k, v in totals.to_metrics().items()} if totals is not None else {}
         return TeacherSignal(credit=credits, metrics=metrics)
+
+    def _chunks(self, view: CrossTokenView) -> list[Chunk]:
+        """The alignment of one completion, its EOS pair last (unmatched when the teacher has no EOS)."""
+        chunks = align_chunks(
+            token_end_offsets(self.student_tokenizer, view.student_body),
+            token_end_offsets(self.teacher.tokenizer, view.teacher_body),
+            view.text,
+            teacher_text=view.teacher_text,
+            max_chunk_tokens=self.cfg.rl.teacher.dpca_max_chunk_tokens,
+        )
+        n_s, n_t, n_x = len(view.student_body), len(view.teacher_body), len(view.text)
+        if view.teacher_eos:
+            chunks.append(eos_chunk(n_s, n_t, n_x))
+        elif view.has_eos:
+            chunks.append(Chunk(n_s, n_s + 1, n_t, n_t, n_x, n_x, "unmatched"))
+        return chunks
+
+    def _report_rejected(self, n: int, view: CrossTokenView, chunks: list[Chunk]) -> None:
+        """Log the first chunk of each rejected kind this run meets (the metrics count every one)."""
+        for c in chunks:
+            if c.kind == "aligned" or c.kind in self._reported:
+                continue
+            self._reported.add(c.kind)
+            span = view.text[c.text_start : c.text_end]
+            if c.kind == "too_long":
+                _log.warning(
+                    "DPCA: completion %d, characters [%d, %d) %r span %d student and %d teacher tokens with no "
+                    "shared boundary, more than rl.teacher.dpca_max_chunk_tokens=%d: no credit there (counted in "
+                    "train/opd_dpca_too_long_chunk_count; logged once per run)",
+                    n,
+                    c.text_start,
+                    c.text_end,
+                    span[:200],
+                    c.student_len,
+                    c.teacher_len,
+                    self.cfg.rl.teacher.dpca_max_chunk_tokens,
+                )
+            else:
+                teacher_span = self.teacher.tokenizer.decode(
+                    view.teacher_body[c.teacher_start : c.teacher_end],
+                    skip_special_tokens=False,
+                    clean_up_tokenization_spaces=False,
+                )
+                _log.warning(
+                    "DPCA: completion %d, the teacher tokenizer reads the student's %r as %r: no credit there "
+                    "(counted in train/opd_dpca_unmatched_chunk_count and train/opd_dpca_coverage; "
+                    "logged once per run)",
+                    n,
+                    span[:200],
+                    str(teacher_span)[:200],
+                )
 
 
 def _eos_ids(tokenizer: Any) -> list[int]:

@@ -13,7 +13,7 @@ Usage::
         for step in ...:
             ...one collected batch...
             if stop.should_stop():
-                save_checkpoint(...)
+                writer.save(...)
                 break
 """
 
@@ -80,14 +80,6 @@ class GracefulStop:
     def should_stop(self) -> bool:
         """Whether to stop at this boundary. In a multi-rank job every rank must call it at the same
         boundary: the flag is OR-reduced so that all ranks stop (and save) together."""
-        import torch.distributed as dist
+        from posttrain.distributed.world import any_rank
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return self.requested
-        import torch
-
-        backend = dist.get_backend()
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        flag = torch.tensor([1 if self.requested else 0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.requested)

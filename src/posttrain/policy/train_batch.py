@@ -1,0 +1,151 @@
+"""The trainer's input: one collected batch of trajectories, and its per-feature payloads as tensors.
+
+``TrainBatch`` holds what every objective reads (token ids, one advantage per completion, which
+completions count in the loss, the sampler's logprobs when recorded) plus one optional typed
+payload per feature that needs more: the sampler's top-k head (score centering), the teacher's
+top-k (direct on-policy distillation), per-token advantages (OPD advantage mode). A payload is a
+dataclass of per-completion lists, so ``distributed.cells.take_rows`` slices it with the batch.
+
+The helpers below pad a micro-batch's rows of a payload into ``[B, T]`` / ``[B, T, K]`` tensors
+(``B`` rows, ``T`` the micro-batch's completion width, ``K`` top-k entries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.errors import TrainingError
+
+# Teacher logprob written at padding positions: finite, so nothing non-finite exists even where masked.
+PAD_LOGPROB = -30.0
+
+
+@dataclass(frozen=True)
+class SamplerHead:
+    """Score centering: per completion, per generated token, the sampler's top-k ids and their
+    sampler logprobs (``Completion.extra["head_ids"]`` / ``["head_logprobs"]``)."""
+
+    ids: list[list[list[int]]]
+    logprobs: list[list[list[float]]]
+
+
+@dataclass(frozen=True)
+class TeacherTopK:
+    """Direct on-policy distillation: per completion, per generated token, the teacher's top-k ids and
+    their teacher (full-vocabulary) logprobs."""
+
+    ids: list[list[list[int]]]
+    logprobs: list[list[list[float]]]
+
+
+@dataclass(frozen=True)
+class TokenAdvantages:
+    """Per completion, one advantage per generated token (OPD advantage mode); they replace
+    ``TrainBatch.advantages_B`` in the loss."""
+
+    values: list[list[float]]
+
+
+@dataclass
+class TrainBatch:
+    """The trajectories of one collected batch, as the trainer needs them.
+
+    ``in_loss_B`` is False for completions removed from the loss (truncated ones under
+    ``rl.mask_truncated_completions``); their advantages were still computed with the whole group.
+    Each optional payload is filled only when its feature is on.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    advantages_B: torch.Tensor
+    in_loss_B: torch.Tensor
+    sampler_logprobs: list[list[float] | None]
+    group_size: int = 1
+    sampler_head: SamplerHead | None = None
+    """Score centering (``rl.score_centering.enabled``)."""
+    teacher_topk: TeacherTopK | None = None
+    """OPD direct mode."""
+    token_advantages: TokenAdvantages | None = None
+    """OPD advantage mode."""
+    # Room for the next features, each one more optional payload of the same form (a frozen
+    # dataclass of per-completion lists or tensors, which take_rows slices), never loose fields:
+    #   routing: RoutingTrace | None  - MoE routing replay: per completion, per token, the experts the
+    #                                   sampler routed to, replayed in the training forward;
+    #   images: ImageInputs | None    - vision-language: per completion, its prompt's pixel values and
+    #                                   image grids for the training forward.
+
+
+def pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    """1-D float rows right-padded with zeros to ``width`` columns."""
+    out = torch.zeros(len(rows), width, dtype=torch.float32, device=device)
+    for i, row in enumerate(rows):
+        n = min(width, row.numel())
+        out[i, :n] = row[:n]
+    return out
+
+
+def sampler_logprobs_rows(batch: TrainBatch, rows: list[int], width: int, device: torch.device) -> torch.Tensor | None:
+    """The sampler's logprobs of ``rows`` padded to ``width`` (fp32), or None when the rollout did not
+    record them for some row (``rollout.sampler_logprobs_every``): then nothing compares against them."""
+    chosen = [batch.sampler_logprobs[i] for i in rows]
+    if any(lp is None for lp in chosen):
+        return None
+    return pad_rows([torch.tensor(lp, dtype=torch.float32) for lp in chosen if lp is not None], width, device)
+
+
+def token_advantage_rows(
+    advantages: TokenAdvantages, rows: list[int], width: int, device: torch.device
+) -> torch.Tensor:
+    """The per-token advantages of ``rows`` padded with zeros to ``width`` (fp32)."""
+    return pad_rows([torch.tensor(advantages.values[i], dtype=torch.float32) for i in rows], width, device)
+
+
+def sampler_head_tensors(
+    batch: TrainBatch, rows: list[int], width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler's top-k head of ``rows`` padded to ``width`` tokens: ids ``[B, T, K]`` (-1 on
+    padding) and their sampler logprobs (-inf on padding, which marks the entry invalid)."""
+    head = batch.sampler_head
+    if head is None:
+        raise TrainingError(
+            "rl.score_centering.enabled=true but the rollout returned no top-k head per token "
+            "(the engine must honour SamplingParams.logprobs_topk)"
+        )
+    k = max((len(tok) for i in rows for tok in head.ids[i]), default=1)
+    ids_BTK = torch.full((len(rows), width, k), -1, dtype=torch.long)
+    logprobs_BTK = torch.full((len(rows), width, k), float("-inf"), dtype=torch.float32)
+    for j, i in enumerate(rows):
+        n = len(batch.completion_ids[i])
+        if len(head.ids[i]) != n or len(head.logprobs[i]) != n:
+            raise TrainingError(
+                f"completion {i} has {n} tokens but a sampler head for {len(head.ids[i])}; "
+                "the rollout engine must return one top-k head per generated token"
+            )
+        if n:
+            ids_tk = torch.tensor(head.ids[i], dtype=torch.long)
+            ids_BTK[j, :n, : ids_tk.shape[1]] = ids_tk
+            logprobs_BTK[j, :n, : ids_tk.shape[1]] = torch.tensor(head.logprobs[i], dtype=torch.float32)
+    return ids_BTK.to(device), logprobs_BTK.to(device)
+
+
+def teacher_topk_tensors(
+    batch: TrainBatch, rows: list[int], width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k of ``rows`` padded to ``width`` tokens: ids (0 on padding) and logprobs
+    (``PAD_LOGPROB`` on padding)."""
+    topk = batch.teacher_topk
+    if topk is None:
+        raise TrainingError("rl.distillation_mode=direct but the batch carries no teacher top-k")
+    k = max((len(tok) for i in rows for tok in topk.ids[i]), default=1)
+    ids_BTK = torch.zeros((len(rows), width, k), dtype=torch.long)
+    logprobs_BTK = torch.full((len(rows), width, k), PAD_LOGPROB, dtype=torch.float32)
+    for j, i in enumerate(rows):
+        n = len(topk.ids[i])
+        if n != len(batch.completion_ids[i]):
+            raise TrainingError(f"completion {i} has {len(batch.completion_ids[i])} tokens but a teacher top-k for {n}")
+        if n:
+            ids_BTK[j, :n] = torch.tensor(topk.ids[i], dtype=torch.long)
+            logprobs_BTK[j, :n] = torch.tensor(topk.logprobs[i], dtype=torch.float32)
+    return ids_BTK.to(device), logprobs_BTK.to(device)

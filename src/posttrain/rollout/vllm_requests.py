@@ -1,0 +1,144 @@
+"""What the vLLM rollout engine sends to vLLM and how it reads the answers back: the logprob mode a
+temperature needs, the sampling controls that mode can report, one seeded request per prompt, and
+``Completion``s (token ids, sampler logprobs, top-k head) from vLLM's outputs.
+
+Which logprobs vLLM returns is an engine-wide setting (``logprobs_mode``), not a per-request one:
+
+- ``raw_logprobs`` (vLLM's default): ``log_softmax(raw logits)`` before penalties, temperature and
+  top-k / top-p. That is the contract's ``log_softmax(logits / temperature)`` exactly when the
+  temperature is 1 (or sampling is greedy, whose logprobs are reported at temperature 1), whatever
+  the warping: the mode the spec's rollout-logprob features require.
+- ``processed_logprobs``: the logprobs of the distribution actually sampled from, after penalties,
+  temperature and top-k / top-p. Without penalty and warping that is ``log_softmax(logits / T)``,
+  the contract at any temperature.
+
+The engine is built with ``raw_logprobs`` when ``temperature == 1`` and ``processed_logprobs``
+otherwise, and refuses sampling controls whose logprobs the chosen mode cannot report exactly
+(``check_params_for_mode``), instead of returning a different quantity under the same name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from posttrain.errors import PosttrainError, TrainingError
+from posttrain.rollout.base import Completion, FinishReason, SamplingParams
+
+
+def logprobs_mode_for(temperature: float) -> str:
+    """vLLM's ``logprobs_mode`` that reports ``log_softmax(logits / temperature)`` (see the module doc)."""
+    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
+
+
+def check_params_for_mode(mode: str, params: SamplingParams) -> None:
+    """Refuse sampling controls whose contract logprobs ``mode`` cannot report."""
+    greedy = params.temperature <= 0
+    if mode == "raw_logprobs" and not greedy and params.temperature != 1.0:
+        raise PosttrainError(
+            f"the vLLM engine was built for temperature 1 (raw logprobs) but generate got temperature="
+            f"{params.temperature}; build it with temperature={params.temperature}"
+        )
+    if mode == "processed_logprobs":
+        warped = [
+            f"{knob}={value}"
+            for knob, value, off in (
+                ("rollout.top_p", params.top_p, params.top_p >= 1.0),
+                ("rollout.top_k", params.top_k, params.top_k <= 0),
+                ("rollout.repetition_penalty", params.repetition_penalty, params.repetition_penalty == 1.0),
+            )
+            if not off
+        ]
+        if warped:
+            raise PosttrainError(
+                f"vLLM reports temperature-{params.temperature} logprobs only without warping, but "
+                f"{', '.join(warped)}: set rollout.temperature=1 (raw logprobs, any warping) or turn "
+                "the warping off"
+            )
+
+
+def prompt_seed(seed: int, call_index: int, prompt_index: int) -> int:
+    """A 62-bit vLLM request seed per (seed, call, prompt): prompts of one call draw independent
+    streams; vLLM gives the ``n`` samples of a prompt ``seed + i``, so 62 bits leave headroom."""
+    digest = hashlib.sha256(f"posttrain-vllm-rollout:{seed}:{call_index}:{prompt_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
+
+
+def call_requests(
+    prompt_token_ids: list[list[int]],
+    n: int,
+    params: SamplingParams,
+    *,
+    call_index: int,
+    eos_ids: list[int],
+    record: bool,
+) -> tuple[list[int], list[Any], list[Any]]:
+    """The requests of one ``generate`` call: ``(owners, prompts, requests)``, where ``owners[i]`` is
+    the prompt index of request ``i``. One request of ``n`` samples per prompt, except greedy, where
+    vLLM refuses n > 1: the ``n`` identical copies go as ``n`` requests."""
+    from vllm.inputs import TokensPrompt
+
+    copies = n if params.temperature <= 0 else 1
+    owners = [p for p in range(len(prompt_token_ids)) for _ in range(copies)]
+    requests = [sampling_request(params, n // copies, call_index, p, eos_ids=eos_ids, record=record) for p in owners]
+    prompts = [TokensPrompt(prompt_token_ids=list(prompt_token_ids[p])) for p in owners]
+    return owners, prompts, requests
+
+
+def sampling_request(
+    params: SamplingParams, n: int, call_index: int, prompt_index: int, *, eos_ids: list[int], record: bool
+) -> Any:
+    """vLLM sampling params for one prompt: its own seed, our EOS ids, no detokenization (the
+    tokenizer decodes the whole batch at once afterwards), the sampled token's logprob (+ top-k)
+    only when ``record``: vLLM builds a logprob entry per token on the host otherwise."""
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    return VLLMSamplingParams(
+        n=n,
+        max_tokens=params.max_tokens,
+        temperature=max(params.temperature, 0.0),
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else 0,
+        repetition_penalty=params.repetition_penalty,
+        seed=None if params.seed is None else prompt_seed(params.seed, call_index, prompt_index),
+        stop_token_ids=eos_ids,
+        logprobs=max(params.logprobs_topk, 0) if record else None,
+        detokenize=False,
+    )
+
+
+def call_completions(owners: list[int], outputs: Sequence[Any], k: int, record: bool) -> list[Completion]:
+    """The ``Completion``s of one call's vLLM outputs, grouped by prompt, samples in vLLM's index
+    order (texts left empty: the caller decodes the whole batch at once)."""
+    completions = []
+    for prompt_index, request_output in zip(owners, outputs):
+        for sample in sorted(request_output.outputs, key=lambda o: o.index):
+            completions.append(completion_of(prompt_index, sample, k, record))
+    return completions
+
+
+def completion_of(prompt_index: int, sample: Any, k: int, record: bool) -> Completion:
+    """One vLLM sample as a ``Completion``: its sampler logprobs (and top-``k`` head) when ``record``."""
+    token_ids = [int(t) for t in sample.token_ids]
+    if sample.finish_reason not in ("stop", "length"):
+        raise TrainingError(f"vLLM finished a completion with reason {sample.finish_reason!r} ({sample.stop_reason})")
+    reason: FinishReason = "stop" if sample.finish_reason == "stop" else "length"
+    if not record:
+        return Completion(prompt_index, token_ids, None, reason, "", {})
+    if sample.logprobs is None or len(sample.logprobs) != len(token_ids):
+        raise TrainingError("vLLM returned no logprob for some generated token; the engine needs logprobs=0 or more")
+    logprobs = [float(entry[t].logprob) for t, entry in zip(token_ids, sample.logprobs)]
+    extra: dict[str, Any] = {}
+    if k > 0:
+        heads = [_head(entry, k) for entry in sample.logprobs]
+        extra["head_ids"] = [ids for ids, _ in heads]
+        extra["head_logprobs"] = [lps for _, lps in heads]
+    return Completion(prompt_index, token_ids, logprobs, reason, "", extra)
+
+
+def _head(entry: Mapping[int, Any], k: int) -> tuple[list[int], list[float]]:
+    """The top-``k`` ids and logprobs of one token's vLLM logprob dict (which also holds the sampled
+    id when it fell outside the top k), best first."""
+    ranked = sorted(entry.items(), key=lambda item: (item[1].rank, -item[1].logprob))[:k]
+    return [int(i) for i, _ in ranked], [float(lp.logprob) for _, lp in ranked]
