@@ -15,6 +15,10 @@ fi
 if ! .venv/bin/python -c "import ray" 2>/dev/null; then
   .venv/bin/python -m pip install -q "ray==2.60.0"
 fi
+# The W&B sink's tests log offline (WANDB_MODE=offline): the `wandb` extra.
+if ! .venv/bin/python -c "import wandb" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "wandb>=0.19"
+fi
 echo "== ruff"
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/ruff format --check src tests benchmarks

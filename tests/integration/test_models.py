@@ -27,12 +27,14 @@ from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.hf_engine import HFRolloutEngine
 
 
-def test_resolve_model_path_errors(tmp_path: Path) -> None:
+def test_resolve_model_path_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     missing = tmp_path / "nope"
-    with pytest.raises(ConfigError, match=r"model.name_or_path: '.*nope' does not exist; posttrain never downloads"):
+    with pytest.raises(ConfigError, match=r"model.name_or_path: '.*nope' does not exist; pass a local model directory"):
         resolve_model_path(str(missing))
-    with pytest.raises(ConfigError, match="does not exist"):
-        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id is not fetched
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub id is looked up in the (empty) cache only
+    with pytest.raises(ConfigError, match="not in the Hugging Face cache"):
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ConfigError, match="is a file, not a model directory"):
         resolve_model_path(str(tmp_path / "weights.bin"))

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -189,9 +189,8 @@ def test_jsonl_keeps_retrying_and_reports_recovery(tmp_path: Path, caplog) -> No
     assert len(_warnings(caplog, "works again; 2 frame(s) were lost")) == 1
 
 
-def test_missing_wandb_is_one_warning(tmp_path: Path, caplog) -> None:
-    if importlib.util.find_spec("wandb") is not None:
-        pytest.skip("wandb is installed here; this test covers the missing-package path")
+def test_missing_wandb_is_one_warning(tmp_path: Path, caplog, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now fails as if it were not installed
     with (
         caplog.at_level(logging.WARNING, logger="posttrain.metrics"),
         MetricsLogger(tmp_path, wandb=True, console=False) as logger,

@@ -7,25 +7,33 @@ list, ``rl.data.path=null`` None and ``1:30`` or ``2024-02-30`` plain text. Ever
 keys, wrong types, out-of-range values, unreadable values, a recipe that raises) is collected and
 raised in one ``ConfigError`` naming the key or the recipe file; unknown keys come with the nearest
 known keys, or, for a key a config type lacks on purpose (a GRPO knob under OPD), with why
-(``RunConfig.unknown_key_hints``). No YAML config files are read: recipes are Python.
+(``RunConfig.unknown_key_hints``).
+
+``--config`` also takes a config file (``.yaml``/``.yml``/``.json``) holding the config tree, the
+same tree ``config_resolved.yaml`` holds (whose extra keys, ``RESOLVED_EXTRA_KEYS``, are dropped on
+load), so any run's resolved config can be given back. YAML files are read by the override rules
+(``yaml_values.parse_document``); the file's ``algorithm`` picks GRPO or OPD, and the wrong command
+is refused with the right one. ``resolved_tree`` is what ``config_resolved.yaml`` and
+``--print-config`` write.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import math
 import re
 import sys
 import traceback
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, get_args, overload
 
 from pydantic import BaseModel, ValidationError
 
 from posttrain.config.schema import GRPOConfig, RunConfig
-from posttrain.config.yaml_values import OverrideValueError, parse_value
+from posttrain.config.yaml_values import OverrideValueError, dump_document, parse_document, parse_value
 from posttrain.errors import ConfigError
 
 ConfigT = TypeVar("ConfigT", bound=RunConfig)
@@ -34,6 +42,13 @@ MAX_KEY_CHARS = 200  # far longer than any dotted key; a longer one is not echoe
 RECIPES_PACKAGE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 # The recipe each command runs without --config, by the config class it builds.
 DEFAULT_RECIPES = {"GRPOConfig": "default", "OPDConfig": "opd_direct"}
+CONFIG_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+"""``--config`` arguments with these suffixes are config trees, not recipes."""
+RESOLVED_EXTRA_KEYS = ("resolved", "argv", "provenance")
+"""Top-level keys ``config_resolved.yaml`` holds beside the config (derived values, the command line,
+the code's provenance); they are not settings, and a config file's are dropped on load."""
+COMMANDS = {"GRPOConfig": "posttrain grpo", "OPDConfig": "posttrain opd"}
+_RUN_KINDS = {"GRPOConfig": "a GRPO", "OPDConfig": "an OPD"}
 
 
 def builtin_recipes() -> list[str]:
@@ -72,6 +87,8 @@ def load_recipe(recipe: str | None, config_type: type[RunConfig] = GRPOConfig) -
     recipe raises (it is user code) becomes a ``ConfigError`` naming the file, the line and the error."""
     if recipe is None:
         recipe = DEFAULT_RECIPES.get(config_type.__name__, "default")
+    if Path(recipe).suffix.lower() in CONFIG_FILE_SUFFIXES:
+        return load_config_file(recipe, config_type)
     path = resolve_recipe_path(recipe)
     module_name = f"_posttrain_recipe_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -97,6 +114,95 @@ def load_recipe(recipe: str | None, config_type: type[RunConfig] = GRPOConfig) -
     if type(config) is not config_type:
         raise ConfigError([_wrong_config_type(path, config, config_type)])
     return config
+
+
+def read_config_tree(path: Path) -> dict[str, Any]:
+    """The config tree a ``.yaml``/``.yml``/``.json`` file holds, without ``RESOLVED_EXTRA_KEYS``; an
+    unreadable file, invalid YAML/JSON (with its line) or a non-mapping is a ``ConfigError``."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"--config {path}: cannot be read ({exc})"]) from None
+    try:
+        tree = _parse_json(text) if path.suffix.lower() == ".json" else parse_document(text)
+    except OverrideValueError as exc:
+        where = f" line {exc.line}" if exc.line is not None else ""
+        raise ConfigError([f"--config {path}{where}: {exc}"]) from None
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            [f"--config {path}: holds a {type(tree).__name__}; a config file is a map of sections (rl:, model:, ...)"]
+        )
+    return {k: v for k, v in tree.items() if k not in RESOLVED_EXTRA_KEYS}
+
+
+def _parse_json(text: str) -> Any:
+    """JSON text, refusing a key given twice; errors as ``OverrideValueError`` with the line."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise OverrideValueError(f"key {key!r} is given twice; write it once")
+            out[key] = value
+        return out
+
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as exc:
+        raise OverrideValueError(f"not valid JSON ({exc.msg})", exc.lineno) from None
+    except RecursionError:
+        raise OverrideValueError("nested too deeply; write a flatter file") from None
+
+
+def _algorithms(config_type: type[RunConfig]) -> tuple[object, ...]:
+    return get_args(config_type.model_fields["algorithm"].annotation)
+
+
+def load_config_file(recipe: str, config_type: type[RunConfig] = GRPOConfig) -> RunConfig:
+    """A ``config_type`` from a config file's tree (fields it leaves out keep their defaults). A file
+    whose ``algorithm`` belongs to the other command is refused naming that command; every invalid
+    key or value is reported at once, each naming the file and the dotted key."""
+    path = Path(recipe)
+    if not _is_file(path):
+        raise ConfigError([f"--config {shown(recipe)}: no such file"])
+    tree = read_config_tree(path)
+    algorithm = tree.get("algorithm")
+    if algorithm is not None and algorithm not in _algorithms(config_type):
+        from posttrain.config.opd import OPDConfig  # lazily: config/opd.py imports the schema this module does
+
+        for other in (GRPOConfig, OPDConfig):
+            if other is not config_type and algorithm in _algorithms(other):
+                raise ConfigError(
+                    [
+                        f"--config {path}: algorithm={algorithm!r} is {_RUN_KINDS[other.__name__]} run, which "
+                        f"this command does not train; run it with `{COMMANDS[other.__name__]} --config {path}`"
+                    ]
+                )
+    try:
+        return config_type.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError([f"--config {path}: {line}" for line in format_validation_error(exc, config_type)]) from None
+
+
+def resolved_tree(cfg: RunConfig) -> dict[str, Any]:
+    """Every field of ``cfg`` plus, under ``resolved``, the values the loop derives from them: what
+    ``config_resolved.yaml`` holds (beside ``argv`` and ``provenance``) and ``--print-config`` prints."""
+    tree = cfg.model_dump(mode="json")
+    tree["resolved"] = {
+        "n_mini": cfg.rl.n_mini,
+        "groups_per_step": cfg.rl.groups_per_step,
+        "effective_min_informative_groups": cfg.rl.effective_min_informative_groups,
+        "data_seed": cfg.data_seed,
+        "data_source": cfg.rl.data.kind,
+    }
+    return tree
+
+
+def config_yaml(tree: Mapping[str, Any]) -> str:
+    """A config tree as YAML that ``--config FILE.yaml`` reads back to the same values."""
+    return dump_document(dict(tree))
 
 
 def _exc(exc: BaseException) -> str:
@@ -130,8 +236,7 @@ def _make_config_failed(path: Path, exc: BaseException, config_type: type[RunCon
 
 def _wrong_config_type(path: Path, config: object, expected: type[RunConfig]) -> str:
     got = type(config).__name__
-    commands = {"GRPOConfig": "posttrain grpo", "OPDConfig": "posttrain opd"}
-    hint = f"; run it with `{commands[got]}`" if got in commands else ""
+    hint = f"; run it with `{COMMANDS[got]}`" if got in COMMANDS else ""
     return f"--config {path}: make_config() returned {got}, expected {expected.__name__}{hint}"
 
 

@@ -38,7 +38,10 @@ class TeacherConfig(Section):
     """The frozen teacher: it scores the student's realized completions and never receives weights."""
 
     name_or_path: str | None = None
-    """A local Hugging Face model directory, or ``embedded:smollm2-135m-instruct``. Required."""
+    """A local Hugging Face model directory, a hub id ``org/name`` (resolved as ``model.name_or_path``
+    is), or ``embedded:smollm2-135m-instruct``. Required."""
+    revision: str | None = None
+    """Branch, tag or commit of a hub id ``rl.teacher.name_or_path``; ``null`` is ``main``."""
     backend: Literal["hf", "vllm"] = "hf"
     """Scoring engine: ``hf`` (a transformers forward pass, chunked LM head) or ``vllm`` (prompt
     logprobs of the forced sequence)."""

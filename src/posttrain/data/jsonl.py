@@ -13,7 +13,7 @@ import os
 import random
 import re
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from posttrain.data.base import ChatMessages, PromptSample
@@ -102,6 +102,26 @@ def check_prompt(value: Any, column: str, where: str) -> str | ChatMessages:
     )
 
 
+ItemsFn = Callable[[dict[str, Any]], Any]
+"""``rl.data.items_fn``: a pure function from one raw row to a row in the prompt / ground-truth shape."""
+
+
+def map_row(items_fn: ItemsFn, row: Mapping[Any, Any], where: str) -> Mapping[Any, Any]:
+    """``items_fn(row)`` (on a copy, so a transformer that edits its argument cannot alter the source),
+    checked to be a row; whatever it raises becomes a ``DataError`` naming the row."""
+    name = f"{getattr(items_fn, '__module__', '?')}:{getattr(items_fn, '__qualname__', repr(items_fn))}"
+    try:
+        mapped = items_fn(dict(row))
+    except Exception as exc:  # user code: name the row it failed on, keep the cause
+        raise DataError(f"{where}: rl.data.items_fn {name} raised {exc!r}") from exc
+    if not isinstance(mapped, Mapping):
+        raise DataError(
+            f"{where}: rl.data.items_fn {name} returned {type(mapped).__name__} {_short(mapped)}, "
+            "not a row (a dict with the prompt column)"
+        )
+    return mapped
+
+
 def row_to_sample(
     row: Any,
     *,
@@ -110,15 +130,21 @@ def row_to_sample(
     prompt_column: str,
     response_column: str | None,
     system_prompt: str | None,
+    items_fn: ItemsFn | None = None,
 ) -> PromptSample:
     """Turn one row (a JSON object / dataset row / factory dict) into a ``PromptSample``.
 
     ``where`` names the row in errors (``"data.jsonl line 3"``); every problem raises ``DataError``.
+    ``items_fn`` maps the raw row first. Every column but the prompt's (the ground-truth column
+    included, under its own name) is kept in ``metadata``, which reaches the reward as
+    ``RewardInput.metadata``.
     """
     if not isinstance(row, Mapping):
         raise DataError(
             f"{where}: expected an object (JSON object / dict) per row, got {type(row).__name__} {_short(row)}"
         )
+    if items_fn is not None:
+        row = map_row(items_fn, row, where)
     if prompt_column not in row:
         raise DataError(
             f"{where}: missing prompt column {prompt_column!r} (row has {_columns(row)}); "
@@ -135,7 +161,10 @@ def row_to_sample(
                 "needs none"
             )
         ground_truth = row[response_column]
-    return PromptSample(prompt=apply_system_prompt(prompt, system_prompt), ground_truth=ground_truth, uid=uid)
+    metadata = {str(key): value for key, value in row.items() if key != prompt_column}
+    return PromptSample(
+        prompt=apply_system_prompt(prompt, system_prompt), ground_truth=ground_truth, uid=uid, metadata=metadata
+    )
 
 
 def decode_json_row(text: str, where: str) -> Any:
@@ -225,6 +254,7 @@ def parse_jsonl_line(
     prompt_column: str,
     response_column: str | None,
     system_prompt: str | None = None,
+    items_fn: ItemsFn | None = None,
 ) -> PromptSample:
     """Parse one non-blank JSONL line into a sample; a problem raises ``DataError`` naming file and line."""
     where = f"{path} line {lineno}"
@@ -236,6 +266,7 @@ def parse_jsonl_line(
         prompt_column=prompt_column,
         response_column=response_column,
         system_prompt=system_prompt,
+        items_fn=items_fn,
     )
 
 
@@ -323,14 +354,19 @@ class JsonlSource(CorpusSource):
         shuffle: bool = True,
         seed: int = 0,
         system_prompt: str | None = None,
+        items_fn: ItemsFn | None = None,
     ) -> None:
         self.path = path
-        samples = self._read(path, prompt_column, response_column, system_prompt)
+        samples = self._read(path, prompt_column, response_column, system_prompt, items_fn)
         super().__init__(samples, shuffle=shuffle, seed=seed, provides=corpus_provides(response_column))
 
     @staticmethod
     def _read(
-        path: str, prompt_column: str, response_column: str | None, system_prompt: str | None
+        path: str,
+        prompt_column: str,
+        response_column: str | None,
+        system_prompt: str | None,
+        items_fn: ItemsFn | None,
     ) -> list[PromptSample]:
         samples = [
             parse_jsonl_line(
@@ -340,6 +376,7 @@ class JsonlSource(CorpusSource):
                 prompt_column=prompt_column,
                 response_column=response_column,
                 system_prompt=system_prompt,
+                items_fn=items_fn,
             )
             for lineno, text in iter_jsonl_lines(path)
         ]

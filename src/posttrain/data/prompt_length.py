@@ -93,7 +93,9 @@ class PromptBudget:
 class PromptCounter:
     """Prompt token counts of one model directory's tokenizer, as ``render_prompt_ids`` renders them."""
 
-    def __init__(self, model_dir: Path, *, use_chat_template: bool) -> None:
+    def __init__(
+        self, model_dir: Path, *, use_chat_template: bool, template_kwargs: dict[str, Any] | None = None
+    ) -> None:
         import tokenizers
 
         self.tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -106,10 +108,13 @@ class PromptCounter:
             for key, value in tok_config.items()
             if key.endswith("_token") and isinstance(_token_text(value), str)
         }
+        self.template_kwargs = dict(template_kwargs or {})  # ``model.chat_template_kwargs``, as the loop renders
         self._glue: dict[tuple[str, ...], int] = {}
 
     @classmethod
-    def for_model(cls, model_dir: Path, *, use_chat_template: bool) -> PromptCounter | None:
+    def for_model(
+        cls, model_dir: Path, *, use_chat_template: bool, template_kwargs: dict[str, Any] | None = None
+    ) -> PromptCounter | None:
         """A counter when the directory holds a ``tokenizer.json`` the ``tokenizers`` library reads, else
         None. Cached per directory while its tokenizer files are unchanged."""
         try:
@@ -121,10 +126,10 @@ class PromptCounter:
             return None
         if stamp[0] is None:
             return None
-        key = (str(model_dir), use_chat_template, stamp)
+        key = (str(model_dir), use_chat_template, repr(sorted((template_kwargs or {}).items())), stamp)
         if key not in _COUNTERS:
             try:
-                _COUNTERS[key] = cls(model_dir, use_chat_template=use_chat_template)
+                _COUNTERS[key] = cls(model_dir, use_chat_template=use_chat_template, template_kwargs=template_kwargs)
             except Exception:  # an unreadable tokenizer is the model loader's to report, with its own message
                 return None
         return _COUNTERS[key]
@@ -135,7 +140,10 @@ class PromptCounter:
 
         # (the rendered conversations, generation indices)
         out: Any = render_jinja_template(
-            conversations=[messages], chat_template=self.template, add_generation_prompt=True, **self.specials
+            conversations=[messages],
+            chat_template=self.template,
+            add_generation_prompt=True,
+            **{**self.specials, **self.template_kwargs},
         )
         return str(out[0][0])
 

@@ -1,7 +1,10 @@
 """The preflight's pass over every row of a local prompt source, before any model loads.
 
-``check_rows(cfg)`` reads the whole JSONL file (``rl.data.path``) or dataset split on disk
-(``rl.data.name``) and reports, by file and line (dataset row) and field:
+``check_rows(cfg)`` reads the whole ``rl.data.path`` (JSONL / JSON lines by line; a JSON list,
+parquet, CSV, Arrow file or ``save_to_disk`` directory by row index) or the split of ``rl.data.name``
+(a dataset on disk, or loaded through ``datasets.load_dataset``, which the run's build then reads
+from the ``datasets`` cache), with ``rl.data.items_fn`` applied, and reports, by file and line
+(table or dataset row) and field:
 
 * rows the source would refuse (malformed JSON, over-long integers, deep nesting, bytes that are not
   UTF-8, lone surrogates, a message content that is not a string, missing columns, ...);
@@ -34,8 +37,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from posttrain.data.base import PromptSample
-from posttrain.data.jsonl import jsonl_lines, parse_jsonl_line, row_to_sample
+from posttrain.data.jsonl import ItemsFn, jsonl_lines, parse_jsonl_line, row_to_sample
 from posttrain.data.prompt_length import PromptBudget, PromptCounter, max_positions
+from posttrain.data.table_source import missing_columns
+from posttrain.data.tables import RowTable, open_dataset_table, open_path_table
 from posttrain.errors import DataError
 
 if TYPE_CHECKING:
@@ -69,7 +74,7 @@ class _Report:
         return self.listed
 
 
-def _jsonl_rows(cfg: RunConfig) -> Iterator[Row]:
+def _jsonl_rows(cfg: RunConfig, items_fn: ItemsFn | None) -> Iterator[Row]:
     data = cfg.rl.data
     path = data.path
     assert path is not None
@@ -86,6 +91,7 @@ def _jsonl_rows(cfg: RunConfig) -> Iterator[Row]:
                 prompt_column=data.prompt_column,
                 response_column=data.response_column,
                 system_prompt=data.system_prompt,
+                items_fn=items_fn,
             )
         except DataError as exc:
             yield where, exc
@@ -93,29 +99,28 @@ def _jsonl_rows(cfg: RunConfig) -> Iterator[Row]:
         yield where, sample
 
 
-def _dataset_rows(cfg: RunConfig) -> Iterator[Row]:
+def _open_table(cfg: RunConfig) -> RowTable:
+    """The table of a non-JSONL ``rl.data.path`` or of ``rl.data.name`` (loading it through ``datasets``)."""
     data = cfg.rl.data
+    if data.path is not None:
+        return open_path_table(data.path, data.split)
     assert data.name is not None
-    from posttrain.data.hf_disk import _load_split  # imports `datasets`, only when a dataset is configured
+    return open_dataset_table(data.name, subset=data.subset, split=data.split, data_files=data.data_files)
 
-    try:
-        ds = _load_split(data.name, data.split)
-    except DataError:
-        return  # check_data_config reports an unreadable dataset
-    columns = [c for c in (data.prompt_column, data.response_column) if c is not None]
-    if any(c not in ds.column_names for c in columns):
-        return  # reported by check_data_config, from the dataset's metadata
-    base = os.path.basename(os.path.normpath(data.name))
-    for i, row in enumerate(ds.select_columns(columns)):
-        where, uid = f"dataset {data.name} split {data.split} row {i}", f"{base}:{data.split}:{i}"
+
+def _table_rows(table: RowTable, cfg: RunConfig, items_fn: ItemsFn | None) -> Iterator[Row]:
+    data = cfg.rl.data
+    for i, row in table.rows():
+        where = table.where(i)
         try:
             sample = row_to_sample(
                 row,
                 where=where,
-                uid=uid,
+                uid=f"{table.uid_prefix}:{i}",
                 prompt_column=data.prompt_column,
                 response_column=data.response_column,
                 system_prompt=data.system_prompt,
+                items_fn=items_fn,
             )
         except DataError as exc:
             yield where, exc
@@ -123,13 +128,39 @@ def _dataset_rows(cfg: RunConfig) -> Iterator[Row]:
         yield where, sample
 
 
-def _resolve_reward(name: str) -> Reward | None:
+def _source_rows(cfg: RunConfig, problems: list[str]) -> tuple[Iterator[Row], str] | None:
+    """The rows to check and the source's name, or None (with the reason in ``problems`` when there is one)."""
+    from posttrain.data.build import reads_jsonl, resolve_items_fn
+
+    data = cfg.rl.data
+    if data.kind not in ("jsonl", "file", "dataset"):
+        return None  # a factory runs user code (checked when built); arithmetic rows are valid by construction
+    source = f"rl.data.path={data.path}" if data.path is not None else f"rl.data.name={data.name}"
+    try:
+        items_fn = resolve_items_fn(data)
+        path = data.path
+        if path is not None and (not os.path.exists(path) or (os.path.isfile(path) and reads_jsonl(path))):
+            return _jsonl_rows(cfg, items_fn), source
+        table = _open_table(cfg)
+    except DataError as exc:  # a hub dataset is first loaded here; local files were checked already
+        problems.append(str(exc))
+        return None
+    if items_fn is None and (missing := missing_columns(table, data.prompt_column, data.response_column)):
+        problems.extend(missing)
+        return None
+    return _table_rows(table, cfg, items_fn), source
+
+
+def _resolve_rewards(names: str | list[str]) -> list[Reward]:
     from posttrain.rewards.registry import get_reward
 
-    try:
-        return get_reward(name)
-    except (ValueError, ImportError):
-        return None  # the preflight's reward check reports it
+    rewards = []
+    for name in [names] if isinstance(names, str) else names:
+        try:
+            rewards.append(get_reward(name))
+        except (ValueError, ImportError):
+            continue  # the preflight's reward check reports it
+    return rewards
 
 
 @dataclass
@@ -148,7 +179,7 @@ def _length_setup(cfg: RunConfig, problems: list[str]) -> _Lengths:
     from posttrain.models.loading import local_model_dir
 
     model = cfg.model.name_or_path
-    model_dir = local_model_dir(model)
+    model_dir = local_model_dir(model, cfg.model.revision)
     positions = max_positions(model_dir) if model_dir is not None else None
     if model_dir is None or positions is None:
         return _Lengths(None, None, model)
@@ -159,11 +190,14 @@ def _length_setup(cfg: RunConfig, problems: list[str]) -> _Lengths:
             f"has max_position_embeddings={positions}; lower rollout.max_tokens"
         )
         return _Lengths(None, None, model)
-    return _Lengths(PromptCounter.for_model(model_dir, use_chat_template=cfg.model.use_chat_template), budget, model)
+    counter = PromptCounter.for_model(
+        model_dir, use_chat_template=cfg.model.use_chat_template, template_kwargs=cfg.model.chat_template_kwargs
+    )
+    return _Lengths(counter, budget, model)
 
 
 def _check_sample(
-    cfg: RunConfig, sample: PromptSample, where: str, reward: Reward | None, lengths: _Lengths
+    cfg: RunConfig, sample: PromptSample, where: str, rewards: list[Reward], lengths: _Lengths
 ) -> str | None:
     """The first problem of one parsed row, else None."""
     data = cfg.rl.data
@@ -179,12 +213,13 @@ def _check_sample(
             f"{where}: column {data.prompt_column!r} is a chat-message list, but the tokenizer of "
             f"model.name_or_path={lengths.model} has no chat template; give string prompts"
         )
-    if reward is not None and data.response_column is not None:
+    if data.response_column is not None:
         from posttrain.rewards.registry import ground_truth_problem
 
-        problem = ground_truth_problem(reward, sample.ground_truth)
-        if problem is not None:
-            return f"{where}: column {data.response_column!r}: {problem}"
+        for reward in rewards:
+            problem = ground_truth_problem(reward, sample.ground_truth)
+            if problem is not None:
+                return f"{where}: column {data.response_column!r}: {problem}"
     if counter is not None and lengths.budget is not None:
         try:
             tokens = counter.too_long(sample.prompt, lengths.budget)
@@ -200,25 +235,23 @@ def check_rows(cfg: RunConfig) -> list[str]:
     data = cfg.rl.data
     problems: list[str] = []
     lengths = _length_setup(cfg, problems)
-    if data.kind == "jsonl":
-        rows, source = _jsonl_rows(cfg), f"rl.data.path={data.path}"
-    elif data.kind == "hf_disk":
-        rows, source = _dataset_rows(cfg), f"rl.data.name={data.name}"
-    else:
+    found = _source_rows(cfg, problems)
+    if found is None:
         return problems
+    rows, source = found
     if data.system_prompt is not None and not cfg.model.use_chat_template:
         problems.append(
             "rl.data.system_prompt turns every prompt into a chat-message list (a system message, then the "
             "prompt), which model.use_chat_template=false cannot render; drop one of the two"
         )
         return problems
-    reward = _resolve_reward(cfg.rl.reward)
+    rewards = _resolve_rewards(cfg.rl.reward)
     report = _Report()
     try:
         for where, sample in rows:
             report.rows += 1
             problem = (
-                str(sample) if isinstance(sample, DataError) else _check_sample(cfg, sample, where, reward, lengths)
+                str(sample) if isinstance(sample, DataError) else _check_sample(cfg, sample, where, rewards, lengths)
             )
             if problem is not None:
                 report.add(problem)

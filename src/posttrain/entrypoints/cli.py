@@ -8,8 +8,10 @@ from collections.abc import Sequence
 USAGE = """usage: posttrain COMMAND [ARGS]
 
 commands:
-  grpo       train with GRPO (Dr-GRPO, GSPO, DAPO): posttrain grpo --config RECIPE.py [--validate-manifest] [-- k=v ...]
-  opd        on-policy distillation from a teacher: posttrain opd --config RECIPE.py [--validate-manifest] [-- k=v ...]
+  grpo       train with GRPO (Dr-GRPO, GSPO, DAPO): posttrain grpo --config RECIPE.py|RUN.yaml [--validate-manifest]
+             [--print-config] [-- k=v ...]
+  opd        on-policy distillation from a teacher: posttrain opd --config RECIPE.py|RUN.yaml [--validate-manifest]
+             [--print-config] [-- k=v ...]
   report     plot a run's curves to a PNG and print a summary: posttrain report RUN_DIR [--out FILE.png]
   export-hf  write a Hugging Face model directory from a checkpoint: posttrain export-hf CHECKPOINT OUT_DIR
 

@@ -1,7 +1,9 @@
-"""``python -m posttrain.entrypoints.grpo --config RECIPE.py [--validate-manifest] [-- key=value ...]``.
+"""``python -m posttrain.entrypoints.grpo --config RECIPE.py|FILE.yaml|FILE.json [--validate-manifest |
+--print-config] [-- key=value ...]``.
 
-Argument parsing, recipe loading and the preflight import no torch, so ``--help`` and
-``--validate-manifest`` answer in about a second. Training imports the loop lazily.
+Argument parsing, recipe and config-file loading and the preflight import no torch, so ``--help``,
+``--validate-manifest`` and ``--print-config`` answer in about a second. Training imports the loop
+lazily.
 """
 
 from __future__ import annotations
@@ -48,8 +50,14 @@ def build_parser(
     )
     parser.add_argument(
         "--config",
-        metavar="RECIPE",
-        help=f"a recipe .py file defining make_config(), or the name of a shipped recipe ({recipes})",
+        metavar="RECIPE|FILE",
+        help=f"a recipe .py file defining make_config(), the name of a shipped recipe ({recipes}), or a "
+        ".yaml/.yml/.json config file (the tree of a run's config_resolved.yaml, which can be given back)",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the config (YAML, after overrides) that would run, and exit; feed it back with --config",
     )
     parser.add_argument(
         "--validate-manifest",
@@ -113,6 +121,19 @@ def validate_manifest(config_arg: str | None, overrides: list[str], command: Com
     return 0
 
 
+def print_config(config_arg: str | None, overrides: list[str], command: Command = GRPO_COMMAND) -> int:
+    """Print the resolved config (what ``config_resolved.yaml`` would hold, without argv and provenance)."""
+    from posttrain.config.loading import build_config, config_yaml, resolved_tree
+
+    try:
+        cfg = build_config(config_arg, overrides, command.load("config_class"))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(config_yaml(resolved_tree(cfg)))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "posttrain grpo", command: Command = GRPO_COMMAND) -> int:
     """Entry point; returns the process exit status."""
     head, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
@@ -120,6 +141,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "posttrain grpo", comman
     overrides = list(args.overrides) + overrides
     if args.validate_manifest:
         return validate_manifest(args.config, overrides, command)
+    if args.print_config:
+        return print_config(args.config, overrides, command)
     try:
         from posttrain.config.loading import build_config
 

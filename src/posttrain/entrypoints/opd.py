@@ -1,8 +1,8 @@
-"""``python -m posttrain.entrypoints.opd --config RECIPE.py [--validate-manifest] [-- key=value ...]``.
+"""``python -m posttrain.entrypoints.opd --config RECIPE.py|FILE.yaml [--validate-manifest] [-- k=v ...]``.
 
-On-policy distillation: the GRPO command's shape (recipes, overrides, ``--validate-manifest``) with
-an ``OPDConfig``, OPD's preflight (every teacher / objective rule, before any model loads) and the
-OPD loop. Without ``--config`` the shipped ``opd_direct`` recipe runs.
+On-policy distillation: the GRPO command's shape (recipes, config files, overrides,
+``--validate-manifest``, ``--print-config``) with an ``OPDConfig``, OPD's preflight (every teacher /
+objective rule, before any model loads) and the OPD loop. Without ``--config`` the shipped ``opd_direct`` recipe runs.
 """
 
 from __future__ import annotations

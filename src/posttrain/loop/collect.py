@@ -11,7 +11,9 @@ metrics are always those of the whole batch (gathered over the ranks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,12 +22,13 @@ from posttrain.algorithm.advantages import group_advantages, group_reward_spread
 from posttrain.config.schema import GRPOConfig, RunConfig
 from posttrain.data.base import DataSource, PromptSample
 from posttrain.distributed.cells import Cells, cell_group_indices
-from posttrain.distributed.world import gather_objects, merge_rank_metrics
+from posttrain.distributed.world import gather_objects, is_rank_zero, merge_rank_metrics
 from posttrain.loop.dynamic_sampling import DrawFn, ScoredGroup, collect_dynamic_for
+from posttrain.metrics.completions import CompletionsLog
 from posttrain.models.chat import render_prompt_ids
 from posttrain.policy.train_batch import SamplerHead, TrainBatch
 from posttrain.rewards.base import Reward, RewardInput
-from posttrain.rewards.registry import score_completions
+from posttrain.rewards.combined import score_parts
 from posttrain.rollout.base import Completion, RolloutBatch, RolloutEngine, SamplingParams
 
 
@@ -37,6 +40,9 @@ class Collected:
     rollout: RolloutBatch
     rewards_NG: torch.Tensor
     advantages_NG: torch.Tensor
+    reward_parts_NG: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each reward's own scores by metric key, in float64 (exactly as returned); ``rewards_NG`` is
+    their weighted sum (float32)."""
 
 
 @dataclass
@@ -70,7 +76,13 @@ def sample_and_score(cfg: RunConfig, roles: Roles, prompts: list[PromptSample], 
     """Sample ``group_size`` completions for each of ``prompts``, score them, compute advantages."""
     rl = cfg.rl
     prompt_ids = [
-        render_prompt_ids(roles.tokenizer, p.prompt, use_chat_template=cfg.model.use_chat_template) for p in prompts
+        render_prompt_ids(
+            roles.tokenizer,
+            p.prompt,
+            use_chat_template=cfg.model.use_chat_template,
+            chat_template_kwargs=cfg.model.chat_template_kwargs,
+        )
+        for p in prompts
     ]
     rollout = roles.engine.generate(prompt_ids, rl.group_size, sampling_params(cfg, cell))
     inputs = [
@@ -84,11 +96,14 @@ def sample_and_score(cfg: RunConfig, roles: Roles, prompts: list[PromptSample], 
         for c in rollout.completions
     ]
     uids = [f"{prompts[c.prompt_index].uid}#{k % rl.group_size}" for k, c in enumerate(rollout.completions)]
-    scores = score_completions(roles.reward, inputs, uids)
+    scores, per_reward = score_parts(roles.reward, inputs, uids)
     rewards_NG = torch.tensor(scores, dtype=torch.float32).view(len(prompts), rl.group_size)
     # Advantages are computed on the whole group here, before any completion is masked out of the loss.
     advantages_NG = group_advantages(rewards_NG, unbiased=rl.unbiased_advantage, eps=rl.advantage_eps)
-    return Collected(prompts, rollout, rewards_NG, advantages_NG)
+    parts_NG = {
+        k: torch.tensor(v, dtype=torch.float64).view(len(prompts), rl.group_size) for k, v in per_reward.items()
+    }
+    return Collected(prompts, rollout, rewards_NG, advantages_NG, parts_NG)
 
 
 @dataclass
@@ -101,6 +116,7 @@ class GroupPayload:
     rewards_G: torch.Tensor
     advantages_G: torch.Tensor
     stats: dict[str, float]
+    reward_parts_G: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def split_groups(collected: Collected, group_size: int) -> list[ScoredGroup]:
@@ -117,6 +133,7 @@ def split_groups(collected: Collected, group_size: int) -> list[ScoredGroup]:
                 rewards_G=collected.rewards_NG[i],
                 advantages_G=collected.advantages_NG[i],
                 stats=collected.rollout.stats,
+                reward_parts_G={k: v[i] for k, v in collected.reward_parts_NG.items()},
             ),
         )
         for i in range(len(collected.prompts))
@@ -135,6 +152,7 @@ def join_groups(groups: list[GroupPayload]) -> Collected:
         rollout=rollout,
         rewards_NG=torch.stack([g.rewards_G for g in groups]),
         advantages_NG=torch.stack([g.advantages_G for g in groups]),
+        reward_parts_NG={k: torch.stack([g.reward_parts_G[k] for g in groups]) for k in groups[0].reward_parts_G},
     )
 
 
@@ -214,10 +232,12 @@ def rollout_metrics(collected: Collected, *, mask_truncated: bool = False) -> di
     lengths = torch.tensor([len(c.token_ids) for c in collected.rollout.completions], dtype=torch.float32)
     truncated = [c.finish_reason == "length" for c in collected.rollout.completions]
     stats = {k: float(v) for k, v in collected.rollout.stats.items()}
-    parts = gather_objects((collected.rewards_NG, lengths, truncated, stats))
+    own = (collected.rewards_NG, lengths, truncated, stats, collected.advantages_NG, collected.reward_parts_NG)
+    parts = gather_objects(own)
     rewards = torch.cat([p[0] for p in parts])
     lengths = torch.cat([p[1] for p in parts])
     truncated = [t for p in parts for t in p[2]]
+    advantages = torch.cat([p[4].reshape(-1) for p in parts])
     metrics = {
         "train/reward_mean": float(rewards.mean()),
         "train/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
@@ -229,4 +249,72 @@ def rollout_metrics(collected: Collected, *, mask_truncated: bool = False) -> di
     if mask_truncated:
         metrics["train/masked_truncated_count"] = float(sum(truncated))
     metrics.update(merge_rank_metrics([p[3] for p in parts]))
+    metrics.update(distribution_metrics(rewards, lengths, advantages))
+    for key in parts[0][5]:
+        metrics[f"train/reward/{key}_mean"] = float(torch.cat([p[5][key].reshape(-1) for p in parts]).mean())
     return metrics
+
+
+def completions_log(
+    cfg: RunConfig, run_dir: Path, trainer: Any, sink: Callable[[int, list[dict[str, Any]]], None] | None
+) -> CompletionsLog:
+    """``job.log_completions_every``'s log of this rank. The first batch it sees is the step after
+    the ones the trainer has done (after a resume, its counters are the checkpoint's: every
+    collected batch takes ``rl.n_mini`` optimizer steps, applied or skipped)."""
+    n_mini = cfg.rl.n_mini
+    return CompletionsLog(
+        run_dir / "completions.jsonl",
+        cfg.job.log_completions_every,
+        first_step=lambda: (trainer.optimizer_step + trainer.zero_grad_skips_total) // n_mini + 1,
+        gather=gather_objects,
+        writes=is_rank_zero(),
+        sink=sink,
+    )
+
+
+def completion_rows(collected: Collected) -> list[dict[str, Any]]:
+    """One record per sample of this cell's batch, for ``completions.jsonl`` (``metrics/completions.py``)."""
+    rewards_B = collected.rewards_NG.reshape(-1).tolist()
+    advantages_B = collected.advantages_NG.reshape(-1).tolist()
+    parts_B = {k: v.reshape(-1).tolist() for k, v in collected.reward_parts_NG.items()}
+    group = collected.rewards_NG.shape[1] if collected.rewards_NG.dim() == 2 else 1
+    rows = []
+    for b, c in enumerate(collected.rollout.completions):
+        prompt = collected.prompts[c.prompt_index]
+        rows.append(
+            {
+                "uid": f"{prompt.uid}#{b % group}",
+                "prompt": prompt.prompt,
+                "completion": c.text,
+                "completion_tokens": len(c.token_ids),
+                "rewards": {k: v[b] for k, v in parts_B.items()},
+                "reward": rewards_B[b],
+                "advantage": advantages_B[b],
+                "finish_reason": c.finish_reason,
+            }
+        )
+    return rows
+
+
+def distribution_metrics(
+    rewards: torch.Tensor, lengths_B: torch.Tensor, advantages_B: torch.Tensor
+) -> dict[str, float]:
+    """Reward extremes, completion lengths, and the sequence advantages broadcast to every generated
+    token (weighted by length: a sequence of n tokens counts n times; population std)."""
+    lengths, adv = lengths_B.double(), advantages_B.double()
+    tokens = lengths.sum()
+    adv_mean = (adv * lengths).sum() / tokens.clamp(min=1)
+    adv_var = ((adv - adv_mean) ** 2 * lengths).sum() / tokens.clamp(min=1)
+    has_tokens = lengths > 0
+    seen = adv[has_tokens] if bool(has_tokens.any()) else torch.zeros(1, dtype=torch.float64)
+    return {
+        "train/reward_min": float(rewards.min()),
+        "train/reward_max": float(rewards.max()),
+        "rollout/completion_length_mean": float(lengths.mean()),
+        "rollout/completion_length_min": float(lengths.min()),
+        "rollout/completion_length_max": float(lengths.max()),
+        "rollout/advantage_mean": float(adv_mean),
+        "rollout/advantage_std": float(adv_var.sqrt()),
+        "rollout/advantage_min": float(seen.min()),
+        "rollout/advantage_max": float(seen.max()),
+    }

@@ -15,19 +15,25 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttrain.config.schema import GRPOConfig
-from posttrain.loop.collect import collect, rollout_metrics, to_train_batch
+from posttrain.loop.collect import collect, completion_rows, completions_log, rollout_metrics, to_train_batch
 from posttrain.loop.dynamic_sampling import dynamic_sampling_log_line
 from posttrain.loop.run import Run, run_loop, start_run
+from posttrain.metrics.completions import CompletionsLog
 from posttrain.metrics.timers import StepTimer
 from posttrain.policy.objective import grpo_objective
 from posttrain.policy.trainer import TrainBatch
 
 
-def grpo_batch(cfg: GRPOConfig, run: Run, timer: StepTimer) -> tuple[TrainBatch, dict[str, float]]:
+def grpo_batch(
+    cfg: GRPOConfig, run: Run, timer: StepTimer, completions: CompletionsLog | None = None
+) -> tuple[TrainBatch, dict[str, float]]:
     """One GRPO collected batch (this rank's cell of it) as the trainer's input, and the rollout
-    metrics of the whole batch. The dynamic-sampling metrics are the driver's, already global."""
+    metrics of the whole batch. The dynamic-sampling metrics are the driver's, already global.
+    ``completions``: ``job.log_completions_every``'s log, handed the trained samples."""
     with timer.phase("rollout"):
         collected, sampling_metrics = collect(cfg, run.roles, run.cells)
+    if completions is not None:
+        completions.record(lambda: completion_rows(collected))
     return to_train_batch(cfg, collected), {
         **rollout_metrics(collected, mask_truncated=cfg.rl.mask_truncated_completions),
         **sampling_metrics,
@@ -44,4 +50,5 @@ def train(cfg: GRPOConfig, argv: list[str] | None = None) -> Path:
     )
     if quota_line := dynamic_sampling_log_line(rl, run.cells.count):
         headline += f"\n{quota_line}"
-    return run_loop(run, lambda timer: grpo_batch(cfg, run, timer), headline)
+    completions = completions_log(cfg, run.run_dir, run.trainer, run.log.log_completions)
+    return run_loop(run, lambda timer: grpo_batch(cfg, run, timer, completions), headline)

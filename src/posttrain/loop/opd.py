@@ -21,8 +21,16 @@ import torch
 from posttrain.algorithm.credit import opd_token_advantages
 from posttrain.config.opd import OPDConfig
 from posttrain.distributed.world import gathered_metrics
-from posttrain.loop.collect import Collected, draw_cell, rollout_metrics, to_train_batch
+from posttrain.loop.collect import (
+    Collected,
+    completion_rows,
+    completions_log,
+    draw_cell,
+    rollout_metrics,
+    to_train_batch,
+)
 from posttrain.loop.run import Run, run_loop, start_run
+from posttrain.metrics.completions import CompletionsLog
 from posttrain.metrics.timers import StepTimer
 from posttrain.policy.objective import opd_objective
 from posttrain.policy.train_batch import TeacherTopK, TokenAdvantages, TrainBatch
@@ -58,12 +66,15 @@ def opd_train_batch(cfg: OPDConfig, collected: Collected, signal: TeacherSignal)
 
 
 def opd_batch(
-    cfg: OPDConfig, run: Run, signals: TeacherSignals, timer: StepTimer
+    cfg: OPDConfig, run: Run, signals: TeacherSignals, timer: StepTimer, completions: CompletionsLog | None = None
 ) -> tuple[TrainBatch, dict[str, float]]:
     """One OPD collected batch: sample, score with the teacher, attach the signal. With several
-    policy ranks each rank samples and its teacher scores that rank's cell; the metrics are merged."""
+    policy ranks each rank samples and its teacher scores that rank's cell; the metrics are merged.
+    ``completions``: ``job.log_completions_every``'s log (the rewards are OPD's diagnostic)."""
     with timer.phase("rollout"):
         collected = draw_cell(cfg, run.roles, run.cells)
+    if completions is not None:
+        completions.record(lambda: completion_rows(collected))
     with timer.phase("teacher"):
         signal = signals.score(collected.rollout, [p.prompt for p in collected.prompts])
     batch, adv_metrics = opd_train_batch(cfg, collected, signal)
@@ -87,7 +98,10 @@ def train(cfg: OPDConfig, argv: list[str] | None = None) -> Path:
         f"lr={rl.optimizer.lr:g}"
     )
     # The teacher closes first: see close_engines.
-    return run_loop(run, lambda timer: opd_batch(cfg, run, signals, timer), headline, close_first=[teacher])
+    completions = completions_log(cfg, run.run_dir, run.trainer, run.log.log_completions)
+    return run_loop(
+        run, lambda timer: opd_batch(cfg, run, signals, timer, completions), headline, close_first=[teacher]
+    )
 
 
 def _output_rows(model: Any) -> int:

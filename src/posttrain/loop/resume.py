@@ -30,20 +30,27 @@ def resume_identity(cfg: RunConfig) -> dict[str, Any]:
     return {
         "data_seed": cfg.data_seed,
         "objective": dataclasses.asdict(objective_spec(cfg)),
-        "ref_anchor": anchor_hash(cfg.rl.ref.model_dir),
+        "ref_anchor": anchor_hash(cfg.rl.ref.model_dir, cfg.rl.ref.revision),
         "n_mini": cfg.rl.n_mini,
         **cfg.resume_identity_extra(),  # a config type may pin more (OPD: the teacher and its knobs)
     }
 
 
-def anchor_hash(model_dir: str | Path | None) -> str | None:
+def anchor_hash(model_dir: str | Path | None, revision: str | None = None) -> str | None:
     """sha256 over the sorted (relative path, sha256) of every file in ``model_dir``; None for None.
+    A hub id (``org/name`` at ``revision``) is hashed in the snapshot directory the reference loads.
 
     Reads every byte (a multi-GB reference takes seconds): it is computed once per attempt.
     """
     if model_dir is None:
         return None
     root = Path(model_dir).expanduser()
+    from posttrain.models.hub import is_hub_id
+
+    if not root.exists() and is_hub_id(str(model_dir)):
+        from posttrain.models.loading import resolve_model_path
+
+        root = Path(resolve_model_path(str(model_dir), revision, key="rl.ref.model_dir"))
     if not root.is_dir():
         raise CheckpointError(f"rl.ref.model_dir={str(model_dir)!r} is not a directory")
     digest = hashlib.sha256()

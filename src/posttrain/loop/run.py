@@ -46,6 +46,7 @@ from posttrain.distributed.fsdp import PolicyWeights, shard_for_world
 from posttrain.distributed.process_group import join_policy_world, leave_policy_world
 from posttrain.distributed.world import broadcast_object, is_rank_zero
 from posttrain.loop.collect import Roles
+from posttrain.loop.evaluate import build_evaluator
 from posttrain.loop.pipeline import MakeBatch, batch_source
 from posttrain.loop.resume import check_resume_compatible, resume_identity
 from posttrain.loop.run_dir import create_run_dir, job_dir, write_resolved_config
@@ -100,6 +101,7 @@ def open_run_dir(cfg: RunConfig, argv: list[str], world: int) -> tuple[Path, Met
         config=cfg.model_dump(mode="json"),
         console_every=cfg.job.console_every,
         max_steps=cfg.rl.max_steps,
+        wandb_resume=cfg.rl.resume != "off",  # every attempt of the job logs to its one W&B run
     )
     log.info(f"run directory: {run_dir}")
     log.info(f"policy ranks: {world} (grid.backend={cfg.grid.backend}), one data cell each")
@@ -116,7 +118,7 @@ def start_run(cfg: RunConfig, argv: list[str], objective: Objective) -> Run:
     run_dir, log = open_run_dir(cfg, argv, world)
     seed_everything(cfg.rl.seed)
     data = build_data_source(cfg.rl.data, cfg.data_seed)
-    reward = get_reward(cfg.rl.reward, timeout_s=cfg.rl.reward_timeout_s)
+    reward = get_reward(cfg.rl.reward, timeout_s=cfg.rl.reward_timeout_s, weights=cfg.rl.reward_weights)
     t0 = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(cfg.model)
     params = sum(p.numel() for p in model.parameters())
@@ -206,11 +208,14 @@ def run_loop(run: Run, make_batch: MakeBatch, headline: str, close_first: Sequen
     finished = False
     try:
         done = restore(run)
+        evaluator = build_evaluator(cfg, run.roles)  # None unless rl.eval.enabled
         for line in headline.splitlines():
             log.info(line)
-        timer = StepTimer()
         source = batch_source(rl.max_off_policy_steps, make_batch)
         with GracefulStop() as stop, writer, log, closing(source):
+            if evaluator is not None and done == 0:  # step 0: the initial weights, before any update
+                log.log(0, evaluator.at_step(0, log))
+            timer = StepTimer()  # after the step-0 evaluation, which is no part of step 1's time
             for step in range(done + 1, rl.max_steps + 1):
                 batch, batch_metrics = source.next(timer)
                 if not bool(batch.in_loss_B.any()):
@@ -224,7 +229,9 @@ def run_loop(run: Run, make_batch: MakeBatch, headline: str, close_first: Sequen
                 source.settle()  # off-policy: the rollout in flight ends before the weights change
                 with timer.phase("weight_sync"):
                     publish_weights(run, trainer.optimizer_step)
-                log.log(step, {**batch_metrics, **train_metrics, **timer.frame(), **peak_memory_frame()})
+                # After the weight sync (off-policy: nothing is in flight once settled), so it sees update `step`.
+                evaluated = evaluator.at_step(step, log) if evaluator is not None and evaluator.due(step) else {}
+                log.log(step, {**batch_metrics, **train_metrics, **timer.frame(), **peak_memory_frame(), **evaluated})
                 stopping = stop.should_stop()  # a signal on any rank stops every rank after this step
                 if stopping or (rl.save_every and (step % rl.save_every == 0 or step == rl.max_steps)):
                     save(run, writer, step)

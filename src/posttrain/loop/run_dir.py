@@ -2,7 +2,10 @@
 
 The output root is ``job.output_root`` when set, else ``$POSTTRAIN_OUTPUT_ROOT``, else ``./outputs``.
 Each attempt gets its own timestamped directory; ``config_resolved.yaml`` holds the full config
-with the values the loop derives from it.
+with the values the loop derives from it (``resolved``), the command line (``argv``) and the code's
+provenance: ``--config config_resolved.yaml`` runs the same config again (those three keys are
+dropped on load, ``config.loading.RESOLVED_EXTRA_KEYS``). It is written with the YAML 1.2 core
+schema's quoting, so every value reads back as itself.
 """
 
 from __future__ import annotations
@@ -12,8 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from posttrain.config.loading import config_yaml, resolved_tree
 from posttrain.config.schema import RunConfig
 
 DEFAULT_OUTPUT_ROOT = "outputs"
@@ -45,15 +47,7 @@ def create_run_dir(cfg: RunConfig) -> Path:
 
 def resolved_config(cfg: RunConfig) -> dict[str, Any]:
     """The config as written to ``config_resolved.yaml``: every field plus derived values."""
-    tree = cfg.model_dump(mode="json")
-    tree["resolved"] = {
-        "n_mini": cfg.rl.n_mini,
-        "groups_per_step": cfg.rl.groups_per_step,
-        "effective_min_informative_groups": cfg.rl.effective_min_informative_groups,
-        "data_seed": cfg.data_seed,
-        "data_source": cfg.rl.data.kind,
-    }
-    return tree
+    return resolved_tree(cfg)
 
 
 def write_resolved_config(run_dir: Path, cfg: RunConfig, extra: dict[str, Any] | None = None) -> Path:
@@ -63,6 +57,6 @@ def write_resolved_config(run_dir: Path, cfg: RunConfig, extra: dict[str, Any] |
         tree.update(extra)
     path = run_dir / "config_resolved.yaml"
     tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(tree, sort_keys=False))
+    tmp.write_text(config_yaml(tree), encoding="utf-8")
     tmp.replace(path)
     return path

@@ -41,8 +41,15 @@ PANELS: tuple[tuple[str, str, str | None], ...] = (
     ("train/clip_frac", "clip fraction", None),
     ("train/response_len_mean", "response length (mean; dashed: max)", "train/response_len_max"),
     (STEP_TIME_KEY, "step time (s)", None),
+    ("eval/reward_mean", "eval reward mean (rl.eval)", None),
+    ("eval/pass@1", "eval pass@1 (dashed: pass@k)", "eval/pass@k"),
 )
 """Curves of the report; a panel whose main key a run never logged is left out."""
+
+EVAL_PREFIX = "eval/"
+"""Evaluation metrics (``rl.eval``): logged at a few steps only, step 0 among them, in a frame of its
+own there; drawn with markers whenever present, and summarised over the evaluations."""
+EVAL_ONLY_KEYS = frozenset({"step", "timer/eval_s"})
 
 
 class ReportError(PosttrainError):
@@ -102,20 +109,29 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     A quarter is ``max(1, n // 4)`` records; for each panel key the first-quarter mean, the
     last-quarter mean and the final (last logged) value. ``reward_gain`` is last minus first
-    quarter mean of ``train/reward_mean`` (the acceptance measure of the default job).
+    quarter mean of ``train/reward_mean`` (the acceptance measure of the default job). Quarters count
+    training steps (step 0's evaluation-only frame is not one); an ``eval/*`` key's quarters count
+    its evaluations.
     """
+    every = records
+    records = [r for r in records if not _eval_only(r)]  # the training steps (step 0's eval frame is none)
     n = len(records)
     q = max(1, n // 4)
     head, tail = records[:q], records[-q:]
     keys = [k for panel in PANELS for k in (panel[0], panel[2]) if k is not None]
     per_key: dict[str, dict[str, float | None]] = {}
     for key in keys:
-        values = _values(records, key)
+        values = _values(every, key)
         if not values:
             continue
+        if key.startswith(EVAL_PREFIX):  # quarters of the evaluations, not of the steps
+            qk = max(1, len(values) // 4)
+            first, last = _mean(values[:qk]), _mean(values[-qk:])
+        else:
+            first, last = _mean(_values(head, key)), _mean(_values(tail, key))
         per_key[key] = {
-            "first_quarter_mean": _mean(_values(head, key)),
-            "last_quarter_mean": _mean(_values(tail, key)),
+            "first_quarter_mean": first,
+            "last_quarter_mean": last,
             "final": values[-1],
             "mean": _mean(values),
         }
@@ -179,11 +195,17 @@ def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], lis
     return xs, ys
 
 
+def _eval_only(record: dict[str, Any]) -> bool:
+    """A frame that holds evaluation metrics only (step 0's, before the first update)."""
+    return all(k in EVAL_ONLY_KEYS or k.startswith(EVAL_PREFIX) for k in record)
+
+
 def _drawn(records: Sequence[dict[str, Any]], key: str) -> bool:
-    """A panel is drawn when its key was logged and, except the reward, is not zero throughout (an
-    OPD run's clip fraction, or a distillation divergence of an advantage-mode run, says nothing)."""
+    """A panel is drawn when its key was logged and, except the rewards and evaluation scores, is not
+    zero throughout (an OPD run's clip fraction, or a distillation divergence of an advantage-mode
+    run, says nothing)."""
     ys = _series(records, key)[1]
-    return bool(ys) and (key == REWARD_KEY or any(y != 0 for y in ys))
+    return bool(ys) and (key == REWARD_KEY or key.startswith(EVAL_PREFIX) or any(y != 0 for y in ys))
 
 
 def _draw(records: Sequence[dict[str, Any]], out_png: Path, title: str) -> None:
@@ -206,11 +228,12 @@ def _draw(records: Sequence[dict[str, Any]], out_png: Path, title: str) -> None:
             ax.plot(xs, _rolling_mean(ys, max(1, len(ys) // 10)), color="tab:blue", label="rolling")
             ax.legend(loc="best", fontsize="small")
         else:
-            ax.plot(xs, ys, color="tab:blue")
+            # Evaluations are a few points apart: markers show where each one was taken.
+            ax.plot(xs, ys, "o-" if key.startswith(EVAL_PREFIX) else "-", color="tab:blue")
         if extra is not None:
             ex, ey = _series(records, extra)
             if ex:
-                ax.plot(ex, ey, "--", color="tab:orange")
+                ax.plot(ex, ey, "o--" if extra.startswith(EVAL_PREFIX) else "--", color="tab:orange")
         ax.set_title(label, fontsize="medium")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

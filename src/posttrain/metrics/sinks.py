@@ -11,6 +11,11 @@ disk that is cleaned up recovers, and a second warning then says how many frames
 other sink disables itself after its first failure. Warnings go through the ``logging`` module
 (logger ``posttrain.metrics``) and, while it works, into ``train.log``; console lines go to stdout.
 
+W&B: every attempt of one job logs to one W&B run. Its id is kept in ``wandb_id`` in the job
+directory (beside the attempts' directories); an attempt that resumes (``rl.resume`` not ``off``)
+reuses it with ``resume="allow"``, a fresh one (``rl.resume=off``) starts a new run and stores its id.
+Offline runs of one id (``wandb sync``) become one run online.
+
 Only one process of a distributed job (rank 0) should create a ``MetricsLogger``.
 """
 
@@ -22,6 +27,8 @@ import logging
 import math
 import numbers
 import os
+import re
+import secrets
 import sys
 import threading
 import time
@@ -166,25 +173,61 @@ def _wandb_mode() -> str:
     return "online" if has_entry else "offline"
 
 
+WANDB_ID_FILE = "wandb_id"
+"""The file in the job directory holding the W&B run id every attempt of the job logs to."""
+_WANDB_ID = re.compile(r"^[a-z0-9]{1,64}$")
+
+
+def stable_wandb_id(id_file: Path, *, resume: bool) -> str:
+    """The W&B run id of this job: the stored one when ``resume`` and ``id_file`` holds a valid id,
+    else a new random id, stored in ``id_file`` (atomically) for the attempts that resume later."""
+    if resume and id_file.is_file():
+        stored = id_file.read_text(encoding="utf-8").strip()
+        if _WANDB_ID.match(stored):
+            return stored
+        _log.warning("%s holds no valid W&B run id (%.40r); starting a new W&B run", id_file, stored)
+    run_id = secrets.token_hex(8)
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = id_file.with_name(id_file.name + ".tmp")
+    tmp.write_text(run_id + "\n", encoding="utf-8")
+    os.replace(tmp, id_file)
+    return run_id
+
+
 class _WandbSink:
-    """Weights & Biases; offline when no credentials are configured."""
+    """Weights & Biases; offline when no credentials are configured; one run id per job."""
 
     name = "wandb"
 
-    def __init__(self, run_dir: Path, project: str | None, run_name: str | None, config: dict | None):
+    def __init__(
+        self,
+        run_dir: Path,
+        project: str | None,
+        run_name: str | None,
+        config: dict | None,
+        *,
+        id_file: Path | None = None,
+        resume: bool = False,
+    ):
         try:
             import wandb
         except ImportError:
-            raise ImportError("the wandb package is not installed (`pip install wandb`)") from None
+            raise ImportError(
+                "the wandb package is not installed (`pip install wandb` or `pip install posttrain[wandb]`)"
+            ) from None
         run_dir.mkdir(parents=True, exist_ok=True)
+        run_id = stable_wandb_id(id_file or run_dir.parent / WANDB_ID_FILE, resume=resume)
         self._run = wandb.init(
             project=project or "posttrain",
             name=run_name,
             config=config,
             dir=str(run_dir),
+            id=run_id,
+            resume="allow",  # the same id continues the run (a fresh id simply starts one)
             # cast: wandb types `mode` as a Literal; WANDB_MODE is validated by wandb itself.
             mode=cast(Any, _wandb_mode()),
         )
+        self.run_id = run_id
 
     def write(self, step: int, record: Mapping[str, JsonNumber]) -> None:
         self._run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
@@ -209,10 +252,14 @@ class MetricsLogger:
         console_every: int = 1,
         max_steps: int | None = None,
         resume_step: int | None = None,
+        wandb_resume: bool = False,
+        wandb_id_file: Path | None = None,
     ) -> None:
         """``resume_step``: on a resumed run, records with a step above it (logged by the killed
         attempt after its last checkpoint) are removed from an existing ``metrics.jsonl`` first,
-        so the file reads like one uninterrupted run."""
+        so the file reads like one uninterrupted run. ``wandb_resume``: this attempt may continue
+        the job (``rl.resume`` is not ``off``), so it logs to the job's stored W&B run id
+        (``wandb_id_file``, default ``<run_dir>/../wandb_id``)."""
         if console_every < 1:
             raise ValueError(f"console_every must be >= 1, got {console_every}")
         self.run_dir = Path(run_dir)
@@ -233,7 +280,12 @@ class MetricsLogger:
         if tensorboard:
             self._tb = self._make("tensorboard", lambda: _TensorBoardSink(self.run_dir / "tensorboard"))
         if wandb:
-            self._wandb = self._make("wandb", lambda: _WandbSink(self.run_dir, wandb_project, run_name, config))
+            self._wandb = self._make(
+                "wandb",
+                lambda: _WandbSink(
+                    self.run_dir, wandb_project, run_name, config, id_file=wandb_id_file, resume=wandb_resume
+                ),
+            )
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -257,6 +309,30 @@ class MetricsLogger:
         """A log line to the console (stdout) and ``train.log``."""
         with self._lock:
             self._emit(msg)
+
+    def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """One batch's samples (``metrics/completions.py``) as TensorBoard text and a W&B table, where
+        those sinks are on. W&B: uncommitted (it joins the next frame), so an off-policy batch logged
+        ahead of the step still training cannot move W&B's step past that step's frame."""
+        from posttrain.metrics.completions import COLUMNS, markdown_table, table_data
+
+        with self._lock:
+            tb, wb = self._tb, self._wandb
+            if tb is not None and not self._guarded(
+                "tensorboard", lambda: tb._writer.add_text("completions", markdown_table(rows), global_step=step)
+            ):
+                self._tb = None
+            if wb is not None:
+
+                def send() -> None:
+                    import wandb
+
+                    wb._run.log(
+                        {"completions": wandb.Table(columns=list(COLUMNS), data=table_data(rows))}, commit=False
+                    )
+
+                if not self._guarded("wandb", send):
+                    self._wandb = None
 
     def close(self) -> None:
         """Flush and close every sink; safe to call twice."""
@@ -372,6 +448,9 @@ class OffRankLogger(MetricsLogger):
 
     def info(self, msg: str) -> None:
         """Dropped: rank 0 says it."""
+
+    def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Dropped: rank 0 writes every cell's samples."""
 
     def close(self) -> None:
         """Nothing to close."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from posttrain.errors import ConfigError, DataError
@@ -18,18 +19,28 @@ def _check_messages(messages: list[Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def render_prompt_ids(tokenizer: Any, prompt: str | list[dict[str, Any]], *, use_chat_template: bool) -> list[int]:
+def render_prompt_ids(
+    tokenizer: Any,
+    prompt: str | list[dict[str, Any]],
+    *,
+    use_chat_template: bool,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
     """Token ids of ``prompt``, ready for generation.
 
     With ``use_chat_template`` and a tokenizer that has a template, the prompt is rendered with
-    ``add_generation_prompt=True`` (a plain string becomes one user message); the rendered text
-    already holds its special tokens, so it is tokenized without adding more. Otherwise the raw
-    string is tokenized with the tokenizer's default special tokens (a BOS where it adds one).
+    ``add_generation_prompt=True`` (a plain string becomes one user message) and the template
+    variables of ``chat_template_kwargs`` (``model.chat_template_kwargs``, e.g. ``enable_thinking``);
+    the rendered text already holds its special tokens, so it is tokenized without adding more.
+    Otherwise the raw string is tokenized with the tokenizer's default special tokens (a BOS where
+    it adds one).
     """
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if use_chat_template and has_template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _check_messages(prompt)
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **dict(chat_template_kwargs or {})
+        )
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not isinstance(prompt, str):
         why = "model.use_chat_template is false" if not use_chat_template else "the tokenizer has no chat template"

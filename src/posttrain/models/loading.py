@@ -1,9 +1,20 @@
-"""Resolve ``model.*`` settings into a loaded model and tokenizer, without ever touching the network.
+"""Resolve ``model.*`` settings into a loaded model and tokenizer.
 
-``model.name_or_path`` is either ``embedded:<name>`` (converted once and cached, see
-``posttrain.models.embedded``) or a local Hugging Face directory holding ``config.json``. Hub ids
-are refused on purpose: a run must not depend on a download. torch and transformers are imported
-inside the functions so that resolving a path stays cheap.
+``model.name_or_path`` (and ``rl.ref.model_dir``, ``rl.teacher.name_or_path``) is one of, in this
+order:
+
+1. ``embedded:<name>``: the embedded model, converted once and cached (``posttrain.models.embedded``);
+2. a local Hugging Face directory holding ``config.json``. A path that exists always wins, so a
+   relative directory ``org/name`` in the working directory is loaded as that directory, never
+   looked up on the hub;
+3. a hub id ``org/name`` (exactly one slash, hub characters), at ``model.revision`` (a branch, tag
+   or commit; null is main): the snapshot directory of the standard Hugging Face cache
+   (``HF_HUB_CACHE`` / ``HF_HOME``), downloaded first when missing, or, under ``HF_HUB_OFFLINE=1``,
+   the cache only (``posttrain.models.hub``).
+
+``resolve_model_path`` is the one place a name becomes a directory: the trainer, the reference, the
+teacher, the vLLM engines and the resume anchor all load the directory it returns. torch and
+transformers are imported inside the functions so that resolving a path stays cheap.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from posttrain.errors import ConfigError
 from posttrain.models.embedded import embedded_model_dir, known_embedded_models
+from posttrain.models.hub import cached_snapshot, is_hub_id, resolve_hub_model, revision_key
 
 if TYPE_CHECKING:
     import torch
@@ -24,31 +36,50 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 _DTYPES |= {"float16": "float16", "fp16": "float16"}
 
 
-def resolve_model_path(name_or_path: str) -> str:
-    """A local directory for ``name_or_path``: ``embedded:...`` is converted/cached, a path must be a
-    directory holding ``config.json``."""
+def resolve_model_path(name_or_path: str, revision: str | None = None, *, key: str = "model.name_or_path") -> str:
+    """A local directory for ``name_or_path`` (see the module docstring for the order): ``embedded:...``
+    is converted/cached, an existing path must be a directory holding ``config.json``, a hub id is
+    found in (or downloaded into) the Hugging Face cache at ``revision``. ``key`` names the setting
+    in errors (``model.name_or_path``, ``rl.ref.model_dir``, ``rl.teacher.name_or_path``)."""
     if name_or_path.startswith("embedded:"):
+        _no_revision(key, name_or_path, revision)
         return embedded_model_dir(name_or_path)
     path = Path(name_or_path).expanduser()
+    if not path.exists() and is_hub_id(name_or_path):
+        path = Path(resolve_hub_model(name_or_path, revision, key=key))
+        where = f"{key}={name_or_path}: its snapshot {path}"
+    else:
+        _no_revision(key, name_or_path, revision)
+        where = f"{key}: {name_or_path!r}"
     hint = (
-        "posttrain never downloads from the Hugging Face Hub: pass a local model directory (one written by "
-        f"save_pretrained, or `hf download ID --local-dir DIR`) or one of {', '.join(known_embedded_models())}"
+        "pass a local model directory (one written by save_pretrained), a Hugging Face hub id (org/name), "
+        f"or one of {', '.join(known_embedded_models())}"
     )
     if not path.exists():
-        raise ConfigError([f"model.name_or_path: {name_or_path!r} does not exist; {hint}"])
+        raise ConfigError([f"{where} does not exist; {hint}"])
     if not path.is_dir():
-        raise ConfigError([f"model.name_or_path: {name_or_path!r} is a file, not a model directory; {hint}"])
+        raise ConfigError([f"{where} is a file, not a model directory; {hint}"])
     if not (path / "config.json").is_file():
-        raise ConfigError(
-            [f"model.name_or_path: {name_or_path!r} holds no config.json, so it is not a Hugging Face model directory"]
-        )
+        raise ConfigError([f"{where} holds no config.json, so it is not a Hugging Face model directory"])
     return str(path.resolve())
 
 
-def local_model_dir(name_or_path: str) -> Path | None:
+def _no_revision(key: str, name_or_path: str, revision: str | None) -> None:
+    """A revision pins a hub id only: with a local or embedded model it would silently do nothing."""
+    if revision is not None:
+        raise ConfigError(
+            [
+                f"{revision_key(key)}={revision} applies to hub ids (org/name) only, but {key}={name_or_path} is "
+                f"{'an embedded model' if name_or_path.startswith('embedded:') else 'a local path'}; "
+                f"unset {revision_key(key)}"
+            ]
+        )
+
+
+def local_model_dir(name_or_path: str, revision: str | None = None) -> Path | None:
     """The local directory ``name_or_path`` names, found without converting, downloading or loading
-    anything (for the preflight); None for an embedded model not converted on this machine yet, or a
-    path that is not a readable directory."""
+    anything (for the preflight); None for an embedded model not converted on this machine yet, a
+    hub id not in the cache at ``revision``, or a path that is not a readable directory."""
     try:
         if name_or_path.startswith("embedded:"):
             from posttrain.models import embedded
@@ -59,6 +90,8 @@ def local_model_dir(name_or_path: str) -> Path | None:
             target = embedded.default_cache_root() / "models" / spec.cache_name
             return target if embedded._has_complete_cache(target) else None
         path = Path(name_or_path).expanduser()
+        if not path.exists() and is_hub_id(name_or_path):
+            return cached_snapshot(name_or_path, revision)
         return path if path.is_dir() else None
     except (OSError, ValueError, RuntimeError):  # too long, a NUL byte, ~unknownuser: not a directory
         return None
@@ -101,11 +134,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model_and_tokenizer(model_cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the model on ``model.device`` in ``model.dtype`` (eval mode) and its tokenizer."""
+def load_model_and_tokenizer(
+    model_cfg: ModelConfig, *, key: str = "model.name_or_path"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the model ``model.name_or_path`` at ``model.revision`` names on ``model.device`` in
+    ``model.dtype`` (eval mode), and its tokenizer; ``key`` names the setting in errors."""
     from transformers import AutoModelForCausalLM
 
-    path = resolve_model_path(model_cfg.name_or_path)
+    path = resolve_model_path(model_cfg.name_or_path, model_cfg.revision, key=key)
     device = resolve_device(model_cfg.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
     tokenizer = load_tokenizer(path)

@@ -53,8 +53,8 @@ def build_reference(policy: nn.Module, cfg: RunConfig, objective: Objective) -> 
     if objective.reference_dir is not None:
         from posttrain.models.loading import load_model_and_tokenizer
 
-        ref_cfg = cfg.model.model_copy(update={"name_or_path": objective.reference_dir})
-        ref, _ = load_model_and_tokenizer(ref_cfg)
+        update = {"name_or_path": objective.reference_dir, "revision": cfg.rl.ref.revision}  # not model.revision
+        ref, _ = load_model_and_tokenizer(cfg.model.model_copy(update=update), key="rl.ref.model_dir")
     else:
         ref = copy.deepcopy(policy)
     live = [name for name, mod in ref.named_modules() if isinstance(mod, nn.Dropout) and mod.p > 0]
@@ -111,7 +111,7 @@ class PolicyTrainer:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.optimizer = build_optimizer(model, cfg.rl.optimizer, self.device)
-        self.scheduler = build_scheduler(self.optimizer, cfg.rl.optimizer.warmup_steps)
+        self.scheduler = build_scheduler(self.optimizer, cfg.rl.optimizer, total_steps=cfg.rl.max_steps * cfg.rl.n_mini)
         self.optimizer_step = 0
         self.zero_grad_skips_total = 0
         self._param_names = {id(p): n for n, p in model.named_parameters()}
@@ -308,6 +308,8 @@ class PolicyTrainer:
         self.model.train()
         totals: LossStats | None = None
         losses, grad_norms = [], []
+        counts = []  # per mini-batch: (sequences, tokens) in the loss, over all ranks
+        skips_before = self.zero_grad_skips_total
         for mini in self._mini_batches(len(batch.completion_ids)):
             in_loss = batch.in_loss_B[mini].to(self.device).float()
             lengths = torch.tensor(
@@ -315,6 +317,7 @@ class PolicyTrainer:
             )
             norm = LossNormalizer(num_tokens=(lengths * in_loss).sum(), num_seqs=in_loss.sum())
             norm = self.dp.global_normalizer(norm)  # counts of the whole step, all ranks
+            counts.append(torch.stack([torch.as_tensor(norm.num_seqs), torch.as_tensor(norm.num_tokens)]).double())
             loss_sum = torch.zeros((), device=self.device)
             for rows in self._micro_batches(batch, mini):
                 pb = self._model_batch(batch, rows)
@@ -338,6 +341,10 @@ class PolicyTrainer:
         metrics["optim/zero_grad_skips_total"] = float(self.zero_grad_skips_total)
         metrics["optim/lr"] = float(self.scheduler.get_last_lr()[0])
         metrics["optim/step"] = float(self.optimizer_step)
+        valid = torch.stack(counts).sum(0).tolist()
+        metrics["train/valid_sequence_count"], metrics["train/valid_token_count"] = valid[0], valid[1]
+        # 1: every optimizer step of the batch applied; 0: all skipped on an exactly-zero gradient
+        metrics["optim/update_outcome"] = 1.0 - (self.zero_grad_skips_total - skips_before) / len(grad_norms)
         return metrics
 
     def _optimizer_step(self, step: int) -> float:

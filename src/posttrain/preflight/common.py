@@ -1,8 +1,8 @@
 """The model-free checks every run shares (GRPO and OPD): batch nesting, the sampler-logprob modes,
 the objective knobs both have, the rollout engine and weight sync, off-policy sampling, run naming
 and resume, the prompt source (and the arithmetic template, tried with values of the right types)
-and the reward's inputs, and the model directory (``preflight/paths.py``, with the other file-system
-checks).
+and the reward's inputs, and the model directory or hub id (``preflight/paths.py``, with the other
+file-system checks).
 
 ``run_checks`` runs them in the one order both preflights report in, with the algorithm's own
 objective checks (``preflight/grpo.py``, ``preflight/opd.py``) after the batch checks. Nothing here
@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from posttrain.config.loading import shown
 from posttrain.config.schema import RunConfig
+from posttrain.preflight.eval import check_eval
 from posttrain.preflight.findings import Findings
 from posttrain.preflight.grid import check_grid
 from posttrain.preflight.paths import check_model_path, check_resume, check_run_dir
@@ -218,22 +219,48 @@ def check_data_and_reward(cfg: RunConfig, out: Findings) -> None:
         from posttrain.data.rows import check_rows
 
         out.errors.extend(check_rows(cfg))
-    try:
-        required = reward_requires(cfg.rl.reward)
-    except (ValueError, ImportError) as exc:
-        out.errors.append(f"rl.reward={cfg.rl.reward}: {exc}")
-        return
-    except Exception as exc:  # a custom reward is user code: whatever its import or `requires` raised
-        out.errors.append(f"rl.reward={cfg.rl.reward}: resolving the reward raised {exc!r}")
-        return
+    names = check_reward_list(cfg, out)
     provided = provided_fields(cfg.rl.data) | ALWAYS_PROVIDED
-    for missing in sorted(required - provided):
-        source = cfg.rl.data.kind
-        hint = " (set rl.data.response_column)" if missing == "ground_truth" and source != "arithmetic" else ""
+    for name in names:
+        try:
+            required = reward_requires(name)
+        except (ValueError, ImportError) as exc:
+            out.errors.append(f"rl.reward={name}: {exc}")
+            continue
+        except Exception as exc:  # a custom reward is user code: whatever its import or `requires` raised
+            out.errors.append(f"rl.reward={name}: resolving the reward raised {exc!r}")
+            continue
+        for missing in sorted(required - provided):
+            source = cfg.rl.data.kind
+            hint = " (set rl.data.response_column)" if missing == "ground_truth" and source != "arithmetic" else ""
+            out.errors.append(
+                f"rl.reward={name} needs the input {missing!r}, which the {source} data source does not carry{hint}"
+            )
+
+
+def check_reward_list(cfg: RunConfig, out: Findings) -> list[str]:
+    """``rl.reward`` (one name or a list) and ``rl.reward_weights``: a non-empty list of distinct rewards
+    with distinct metric keys, one finite weight each. Returns the names to resolve."""
+    from posttrain.rewards.combined import metric_key, reward_names
+
+    rl = cfg.rl
+    names = reward_names(rl.reward)
+    if not names:
+        out.errors.append("rl.reward=[] names no reward; give one name or a list of them")
+    keys: dict[str, str] = {}
+    for name in names:
+        key = metric_key(name)
+        if key in keys:
+            what = "twice" if keys[key] == name else f"beside {keys[key]!r}, both logged as train/reward/{key}_mean"
+            out.errors.append(f"rl.reward lists {name!r} {what}; list each reward once")
+        keys.setdefault(key, name)
+    weights = rl.reward_weights
+    if weights and len(weights) != len(names):
         out.errors.append(
-            f"rl.reward={cfg.rl.reward} needs the input {missing!r}, which the {source} data source does not "
-            f"carry{hint}"
+            f"rl.reward_weights={list(weights)} has {len(weights)} weight(s) for the {len(names)} reward(s) of "
+            f"rl.reward={names}; give one weight per reward, in the same order (or leave it empty: all 1)"
         )
+    return names
 
 
 def _too_wide(digits: str) -> bool:
@@ -282,10 +309,11 @@ def run_checks(cfg: ConfigT, objective_checks: Sequence[Callable[[ConfigT, Findi
     """Every shared model-free check with the algorithm's ``objective_checks`` after the batch
     checks, all problems at once."""
     findings = Findings()
-    check_model_path("model.name_or_path", cfg.model.name_or_path, findings)
+    check_model_path("model.name_or_path", cfg.model.name_or_path, findings, revision=cfg.model.revision)
     check_batching(cfg, findings)
     for check in objective_checks:
         check(cfg, findings)
-    for shared in (check_grid, check_rollout_backend, check_off_policy, check_lifecycle, check_data_and_reward):
-        shared(cfg, findings)
+    shared = (check_grid, check_rollout_backend, check_off_policy, check_lifecycle, check_data_and_reward, check_eval)
+    for check_shared in shared:
+        check_shared(cfg, findings)
     return findings

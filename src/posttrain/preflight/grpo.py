@@ -32,7 +32,9 @@ def check_reference(cfg: GRPOConfig, out: Findings) -> None:
     if rl.ref.model_dir is not None:
         if not rl.ref.build_ref:
             out.errors.append("rl.ref.model_dir is set but rl.ref.build_ref=false: the reference is never built")
-        check_model_path("rl.ref.model_dir", rl.ref.model_dir, out)
+        check_model_path("rl.ref.model_dir", rl.ref.model_dir, out, revision=rl.ref.revision)
+    elif rl.ref.revision is not None:
+        out.errors.append(f"rl.ref.revision={rl.ref.revision} pins a hub id rl.ref.model_dir, which is not set")
 
 
 def check_objective(cfg: GRPOConfig, out: Findings) -> None:

@@ -118,7 +118,7 @@ def opd_rules(cfg: OPDConfig, out: Findings) -> None:
     out.errors.extend(_mode_problems(cfg))
     rl = cfg.rl
     if rl.teacher.name_or_path is not None:
-        check_model_path("rl.teacher.name_or_path", rl.teacher.name_or_path, out)
+        check_model_path("rl.teacher.name_or_path", rl.teacher.name_or_path, out, revision=rl.teacher.revision)
     if rl.distillation_mode == "advantage" and rl.kl_penalty_coef == 0:
         out.warnings.append("rl.kl_penalty_coef=0 in advantage mode: the teacher credit is multiplied by 0")
     for key, path in (
@@ -146,8 +146,11 @@ def check_shared_vocabulary(cfg: OPDConfig) -> None:
         return
     from posttrain.models.loading import load_tokenizer, resolve_model_path
 
-    student = load_tokenizer(resolve_model_path(cfg.model.name_or_path))
-    teacher = load_tokenizer(resolve_model_path(cfg.rl.teacher.name_or_path))
+    student = load_tokenizer(resolve_model_path(cfg.model.name_or_path, cfg.model.revision))
+    teacher_dir = resolve_model_path(
+        cfg.rl.teacher.name_or_path, cfg.rl.teacher.revision, key="rl.teacher.name_or_path"
+    )
+    teacher = load_tokenizer(teacher_dir)
     if student.get_vocab() != teacher.get_vocab():
         raise ConfigError(
             [

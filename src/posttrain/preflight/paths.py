@@ -5,7 +5,8 @@ Every path a run reads or creates is checked before any model loads: a NUL byte,
 component over ``NAME_MAX`` or a whole path over ``PATH_MAX`` (each a raw ``ValueError`` /
 ``UnicodeEncodeError`` / ``OSError: File name too long`` from the first ``stat`` otherwise); a model
 directory's ``config.json`` (JSON, an object, a ``model_type``) and its weights (a ``*.safetensors`` or
-``*.bin`` file, or an index whose shards exist), for the policy, the reference and the teacher; the
+``*.bin`` file, or an index whose shards exist), for the policy, the reference and the teacher (a hub
+id's cached snapshot alike; one not cached is refused under ``HF_HUB_OFFLINE=1``); the
 run directory ``<output root>/<project>/<group>/<name>/`` (each name one directory name, nothing but
 directories on the way, the first missing one creatable); and ``rl.resume`` naming a checkpoint
 (what ``checkpoint/reader.py:resolve_resume`` accepts). Reads metadata only: no weights, no torch,
@@ -158,13 +159,50 @@ def _embedded_cache_dir(name: str) -> Path | None:
     return target if embedded._is_complete(target, fingerprint) else None
 
 
-def check_model_path(key: str, value: str, out: Findings) -> None:
-    """A local Hugging Face directory (``config.json`` with a ``model_type``, and weights), or the
-    embedded model's package (and its cached conversion, when there is one)."""
+def _revision_problem(key: str, value: str, revision: str | None) -> str | None:
+    """A revision set beside a local or embedded model would do nothing: refused by name."""
+    if revision is None:
+        return None
+    from posttrain.models.hub import revision_key
+
+    kind = "the embedded model" if value.startswith(EMBEDDED_PREFIX) else "a local directory"
+    return (
+        f"{revision_key(key)}={revision} applies to hub ids (org/name) only, but {key}={_shown_path(value)} is "
+        f"{kind}; unset {revision_key(key)}"
+    )
+
+
+def _check_hub_model(key: str, value: str, revision: str | None, out: Findings) -> None:
+    """A hub id: its cached snapshot is checked as a local directory is; one not in the cache is
+    refused under ``HF_HUB_OFFLINE=1`` (the run could not get it) and noted otherwise (the run
+    downloads it). Reads the cache only (``models/hub.py``); nothing is downloaded here."""
+    from posttrain.models.hub import cached_snapshot, hub_offline, not_cached_message
+
+    snapshot = cached_snapshot(value, revision)
+    if snapshot is not None:
+        at = f" (revision {revision})" if revision is not None else ""
+        out.errors.extend(
+            f"{key}={value}{at}: its cached snapshot {snapshot}: {p}" for p in _model_dir_problems(snapshot)
+        )
+    elif hub_offline():
+        out.errors.append(not_cached_message(key, value, revision, offline=True))
+    else:
+        out.warnings.append(f"{key}={value} is not in the Hugging Face cache yet: the run downloads it from the hub")
+
+
+def check_model_path(key: str, value: str, out: Findings, *, revision: str | None = None) -> None:
+    """A local Hugging Face directory (``config.json`` with a ``model_type``, and weights), a hub id
+    ``org/name`` at ``revision`` (its cached snapshot checked the same way; an existing local path
+    of that name wins, as ``models/loading.py:resolve_model_path`` has it), or the embedded model's
+    package (and its cached conversion, when there is one)."""
+    from posttrain.models.hub import is_hub_id
+
     if value.startswith(EMBEDDED_PREFIX):
         if value != "embedded:smollm2-135m-instruct":
             out.errors.append(f"{key}={shown_text(value)}: the only embedded model is embedded:smollm2-135m-instruct")
             return
+        if (wrong := _revision_problem(key, value, revision)) is not None:
+            out.errors.append(wrong)
         cache = _embedded_cache_dir(value)
         if cache is None:
             import importlib.util
@@ -182,8 +220,16 @@ def check_model_path(key: str, value: str, out: Findings) -> None:
         out.errors.append(f"{key}={_shown_path(value)}: {unholdable}")
         return
     path = _expand(value)
+    if not os.path.exists(path) and is_hub_id(value):
+        _check_hub_model(key, value, revision, out)
+        return
+    if (wrong := _revision_problem(key, value, revision)) is not None:
+        out.errors.append(wrong)
     if not path.is_dir():
-        out.errors.append(f"{key}={value}: no such directory (posttrain loads local model directories only)")
+        out.errors.append(
+            f"{key}={value}: no such directory (a model is a local directory, a hub id org/name, or "
+            "embedded:smollm2-135m-instruct)"
+        )
         return
     out.errors.extend(f"{key}={value}: {p}" for p in _model_dir_problems(path))
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from posttrain.importing import import_object
 from posttrain.rewards.base import Reward, RewardInput
+from posttrain.rewards.combined import WeightedRewards, reward_names
 from posttrain.rewards.scoring import DEFAULT_REWARD_TIMEOUT_S, describe_value, score_completions
 
 GroundTruthCheck = Callable[[Any], "str | None"]
@@ -110,21 +111,36 @@ def _import_custom(path: str) -> Reward:
     )
 
 
-def get_reward(name: str, *, timeout_s: float | None = None) -> Reward:
-    """Resolve a built-in reward name or a ``module:function`` import path.
+def get_reward(
+    name: str | Sequence[str], *, timeout_s: float | None = None, weights: Sequence[float] | None = None
+) -> Reward:
+    """Resolve a built-in reward name or a ``module:function`` import path; a list of them (or any
+    ``weights``, ``rl.reward_weights``) gives a ``WeightedRewards`` of the parts (no weights: 1 each).
 
     A custom function takes a ``RewardInput`` and returns a float; it may declare the fields it needs
     as a ``requires`` attribute (default ``{"prompt"}``), a ``check_ground_truth(value) -> str | None``
     attribute, and ``batched = True`` (it then takes the list of inputs and returns a list of scores).
     ``timeout_s`` (``rl.reward_timeout_s``) bounds each call (``with_timeout``).
     """
-    reward = _resolve(name)
-    return reward if timeout_s is None else with_timeout(reward, timeout_s)
+    if isinstance(name, str) and not weights:
+        reward = _resolve(name)
+        return reward if timeout_s is None else with_timeout(reward, timeout_s)
+    names = reward_names(name)
+    scales = [float(w) for w in weights] if weights else [1.0] * len(names)
+    if len(scales) != len(names):
+        raise ValueError(
+            f"rl.reward_weights has {len(scales)} weights for {len(names)} rewards ({', '.join(names)}); "
+            "give one weight per reward, in the same order"
+        )
+    parts = tuple(get_reward(n, timeout_s=timeout_s) for n in names)
+    return WeightedRewards(parts=parts, weights=tuple(scales))
 
 
 def with_timeout(reward: Reward, timeout_s: float) -> Reward:
     """A copy of ``reward`` whose calls ``score_completions`` bounds by ``timeout_s`` seconds (0: none);
-    the registered reward itself is left unchanged."""
+    the registered reward itself is left unchanged (a ``WeightedRewards``: each part)."""
+    if isinstance(reward, WeightedRewards):
+        return WeightedRewards(parts=tuple(with_timeout(p, timeout_s) for p in reward.parts), weights=reward.weights)
     if isinstance(reward, FunctionReward):
         return dataclasses.replace(reward, timeout_s=timeout_s)
     return FunctionReward(
@@ -163,14 +179,16 @@ def _resolve(name: str) -> Reward:
     )
 
 
-def reward_requires(name: str) -> frozenset[str]:
-    """The fields reward ``name`` needs; cheap for built-ins (no torch), imports a custom module."""
+def reward_requires(name: str | Sequence[str]) -> frozenset[str]:
+    """The fields reward ``name`` needs (a list: every part's); cheap for built-ins (no torch),
+    imports a custom module."""
     return get_reward(name).requires
 
 
 __all__ = [
     "DEFAULT_REWARD_TIMEOUT_S",
     "FunctionReward",
+    "WeightedRewards",
     "describe_value",
     "get_reward",
     "ground_truth_problem",

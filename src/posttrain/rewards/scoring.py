@@ -22,10 +22,19 @@ torch), so a scorer that runs a model behaves as it would in the loop's thread.
 
 **Batched rewards.** A reward whose ``batched`` attribute is true is called once with the list of
 inputs and returns one score per input, in order; a wrong count is a ``RewardError``.
+
+**Async rewards.** A reward defined with ``async def`` (a function, or a class whose ``__call__`` is
+one) is awaited on an event loop of its own in the worker thread. Unbatched, every sample's coroutine
+runs at once on that loop (a judge behind an API scores the batch concurrently), each bounded by
+``rl.reward_timeout_s`` (``asyncio.wait_for``; a sample that runs past it is named); a coroutine that
+blocks the loop without awaiting is caught by the thread's backstop of twice the timeout (plus a
+second), which names the batch. Batched, the one call's coroutine is awaited under the usual timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import numbers
 import sys
@@ -176,6 +185,56 @@ def _run_items(
     return worker.values, worker.error, late
 
 
+def _awaited(value: Any) -> Any:
+    """A coroutine's (any awaitable's) result, run to completion on a new event loop in this thread."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def wait() -> Any:
+        return await value
+
+    return asyncio.run(wait())
+
+
+def is_async_reward(reward: Any) -> bool:
+    """Whether calling ``reward`` (or the function a ``FunctionReward`` wraps) makes a coroutine."""
+    target = getattr(reward, "fn", reward)
+    if inspect.iscoroutinefunction(target):
+        return True
+    return not inspect.isroutine(target) and inspect.iscoroutinefunction(type(target).__call__)
+
+
+def _async_scores(
+    reward: Reward, name: str, inputs: list[RewardInput], labels: list[str], timeout_s: float
+) -> list[float]:
+    """Every sample's coroutine at once on one event loop, each bounded by ``timeout_s`` (module docstring)."""
+    call: Callable[[RewardInput], Any] = reward
+
+    async def one(i: int) -> Any:
+        coro = call(inputs[i])
+        return await (asyncio.wait_for(coro, timeout_s) if timeout_s > 0 else coro)
+
+    async def every() -> list[Any]:
+        return await asyncio.gather(*(one(i) for i in range(len(inputs))), return_exceptions=True)
+
+    backstop = 2 * timeout_s + 1 if timeout_s > 0 else 0
+    values, error, late = _run_items(lambda _i: asyncio.run(every()), 1, backstop)
+    label = f"the batch of {len(inputs)} samples ({labels[0]} .. {labels[-1]})"
+    if late is not None:
+        raise _timeout_error(name, f"{label} (its event loop was blocked)", timeout_s)
+    if error is not None:
+        exc = error[1]
+        raise RewardError(f"reward {name!r} failed on {label}: {type(exc).__name__}: {exc}") from exc
+    scores = []
+    for value, item_label in zip(values[0], labels, strict=True):
+        if isinstance(value, TimeoutError):
+            raise _timeout_error(name, item_label, timeout_s)
+        if isinstance(value, BaseException):
+            raise RewardError(f"reward {name!r} failed on {item_label}: {type(value).__name__}: {value}") from value
+        scores.append(checked_score(value, name, item_label))
+    return scores
+
+
 def _timeout_error(name: str, label: str, timeout_s: float) -> RewardError:
     return RewardError(
         f"reward {name!r} did not return within {_TIMEOUT_KEY}={timeout_s:g} s on {label}; the run stops (the scorer "
@@ -195,7 +254,7 @@ def _batch_scores(
 ) -> list[Any]:
     label = f"the batch of {len(inputs)} samples ({labels[0]} .. {labels[-1]})"
     call: Callable[[Any], Any] = reward  # a batched reward takes the whole list
-    values, error, late = _run_items(lambda _i: call(inputs), 1, timeout_s)
+    values, error, late = _run_items(lambda _i: _awaited(call(inputs)), 1, timeout_s)
     if late is not None:
         raise _timeout_error(name, label, timeout_s)
     if error is not None:
@@ -243,7 +302,9 @@ def score_completions(
     if getattr(reward, "batched", False):
         values = _batch_scores(reward, name, inputs, labels, timeout)
         return [checked_score(value, name, label) for value, label in zip(values, labels, strict=True)]
-    values, error, late = _run_items(lambda i: reward(inputs[i]), len(inputs), timeout)
+    if is_async_reward(reward):
+        return _async_scores(reward, name, inputs, labels, timeout)
+    values, error, late = _run_items(lambda i: _awaited(reward(inputs[i])), len(inputs), timeout)
     # The scores before a failure first: the first bad sample is the one reported, as if scored one by one.
     scores = [checked_score(value, name, label) for value, label in zip(values, labels)]
     if late is not None:

@@ -37,7 +37,7 @@ def build_rollout_engine(cfg: RunConfig, model: Any, tokenizer: Any, log: Metric
         return build_hf_engine(cfg, engine_model, tokenizer)
     engine = build_vllm_engine(
         cfg,
-        resolve_model_path(cfg.model.name_or_path),
+        resolve_model_path(cfg.model.name_or_path, cfg.model.revision),
         tokenizer,
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
     )

@@ -78,7 +78,7 @@ def build_replica(cfg: RunConfig) -> Replica:
     if cfg.rollout.backend != "vllm":
         model, tokenizer = load_model_and_tokenizer(cfg.model)
         return Replica(build_hf_engine(cfg, model, tokenizer), next(model.parameters()).device)
-    path = resolve_model_path(cfg.model.name_or_path)
+    path = resolve_model_path(cfg.model.name_or_path, cfg.model.revision)
     dtype = resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))  # the policy's dtype
     engine = build_vllm_engine(
         cfg,

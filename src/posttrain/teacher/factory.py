@@ -15,6 +15,8 @@ from posttrain.models.loading import load_model_and_tokenizer, load_tokenizer, r
 from posttrain.teacher.base import Teacher
 from posttrain.teacher.hf_teacher import HFTeacher
 
+TEACHER_KEY = "rl.teacher.name_or_path"
+
 
 def build_teacher(cfg: OPDConfig, log: MetricsLogger) -> Teacher:
     """The frozen teacher on the configured scoring engine."""
@@ -26,15 +28,18 @@ def build_teacher(cfg: OPDConfig, log: MetricsLogger) -> Teacher:
     if t.backend == "vllm":
         from posttrain.teacher.vllm_teacher import VLLMTeacher
 
+        path = resolve_model_path(t.name_or_path, t.revision, key=TEACHER_KEY)  # one resolution, one snapshot
         teacher = VLLMTeacher(
-            resolve_model_path(t.name_or_path),
+            path,
             gpu_memory_utilization=t.gpu_memory_utilization,
             tensor_parallel_size=t.tensor_parallel_size,
             max_model_len=t.max_model_len,
-            tokenizer=load_tokenizer(resolve_model_path(t.name_or_path)),
+            tokenizer=load_tokenizer(path),
         )
     else:
-        model, tokenizer = load_model_and_tokenizer(cfg.model.model_copy(update={"name_or_path": t.name_or_path}))
+        # The teacher's own revision, never the student's model.revision that model_copy would keep.
+        teacher_cfg = cfg.model.model_copy(update={"name_or_path": t.name_or_path, "revision": t.revision})
+        model, tokenizer = load_model_and_tokenizer(teacher_cfg, key=TEACHER_KEY)
         teacher = HFTeacher(
             model,
             tokenizer,
