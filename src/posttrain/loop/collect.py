@@ -72,9 +72,12 @@ def sampling_params(cfg: RunConfig, cell: int = 0) -> SamplingParams:
     )
 
 
-def sample_and_score(cfg: RunConfig, roles: Roles, prompts: list[PromptSample], cell: int = 0) -> Collected:
-    """Sample ``group_size`` completions for each of ``prompts``, score them, compute advantages."""
-    rl = cfg.rl
+def generate_and_score(
+    cfg: RunConfig, roles: Roles, prompts: list[PromptSample], n: int, params: SamplingParams, *, uid_prefix: str = ""
+) -> tuple[RolloutBatch, list[float], dict[str, list[float]]]:
+    """Render ``prompts``, sample ``n`` completions each and score them: the rollout, the weighted
+    reward of each completion (prompt-major) and each reward's own scores. Training and evaluation
+    both sample through here; completion ``j`` of a prompt is scored as sample ``<uid>#j``."""
     prompt_ids = [
         render_prompt_ids(
             roles.tokenizer,
@@ -84,7 +87,7 @@ def sample_and_score(cfg: RunConfig, roles: Roles, prompts: list[PromptSample], 
         )
         for p in prompts
     ]
-    rollout = roles.engine.generate(prompt_ids, rl.group_size, sampling_params(cfg, cell))
+    rollout = roles.engine.generate(prompt_ids, n, params)
     inputs = [
         RewardInput(
             prompt=prompts[c.prompt_index].prompt,
@@ -95,8 +98,15 @@ def sample_and_score(cfg: RunConfig, roles: Roles, prompts: list[PromptSample], 
         )
         for c in rollout.completions
     ]
-    uids = [f"{prompts[c.prompt_index].uid}#{k % rl.group_size}" for k, c in enumerate(rollout.completions)]
+    uids = [f"{uid_prefix}{prompts[c.prompt_index].uid}#{k % n}" for k, c in enumerate(rollout.completions)]
     scores, per_reward = score_parts(roles.reward, inputs, uids)
+    return rollout, scores, per_reward
+
+
+def sample_and_score(cfg: RunConfig, roles: Roles, prompts: list[PromptSample], cell: int = 0) -> Collected:
+    """Sample ``group_size`` completions for each of ``prompts``, score them, compute advantages."""
+    rl = cfg.rl
+    rollout, scores, per_reward = generate_and_score(cfg, roles, prompts, rl.group_size, sampling_params(cfg, cell))
     rewards_NG = torch.tensor(scores, dtype=torch.float32).view(len(prompts), rl.group_size)
     # Advantages are computed on the whole group here, before any completion is masked out of the loss.
     advantages_NG = group_advantages(rewards_NG, unbiased=rl.unbiased_advantage, eps=rl.advantage_eps)

@@ -38,11 +38,8 @@ from posttrain.config.section import SEED_BOUND
 from posttrain.data.base import PromptSample
 from posttrain.data.build import build_data_source
 from posttrain.distributed.world import gather_objects, rank_and_world
-from posttrain.loop.collect import Roles
+from posttrain.loop.collect import Roles, generate_and_score
 from posttrain.metrics.sinks import MetricsLogger
-from posttrain.models.chat import render_prompt_ids
-from posttrain.rewards.base import RewardInput
-from posttrain.rewards.combined import score_parts
 from posttrain.rollout.base import ResumableEngine, SamplingParams
 
 
@@ -122,28 +119,9 @@ class Evaluator:
         cfg, roles, k = self.cfg, self.roles, self.cfg.rl.eval.samples_per_prompt
         if not prompts:
             return [], {}, []
-        prompt_ids = [
-            render_prompt_ids(
-                roles.tokenizer,
-                p.prompt,
-                use_chat_template=cfg.model.use_chat_template,
-                chat_template_kwargs=cfg.model.chat_template_kwargs,
-            )
-            for p in prompts
-        ]
-        rollout = roles.engine.generate(prompt_ids, k, eval_sampling_params(cfg, rank))
-        inputs = [
-            RewardInput(
-                prompt=prompts[c.prompt_index].prompt,
-                completion=c.text,
-                ground_truth=prompts[c.prompt_index].ground_truth,
-                finish_reason=c.finish_reason,
-                metadata=prompts[c.prompt_index].metadata,
-            )
-            for c in rollout.completions
-        ]
-        uids = [f"eval:{prompts[c.prompt_index].uid}#{j % k}" for j, c in enumerate(rollout.completions)]
-        scores, per_reward = score_parts(roles.reward, inputs, uids)
+        rollout, scores, per_reward = generate_and_score(
+            cfg, roles, prompts, k, eval_sampling_params(cfg, rank), uid_prefix="eval:"
+        )
         return scores, per_reward, [len(c.token_ids) for c in rollout.completions]
 
 
