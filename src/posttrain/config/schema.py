@@ -62,7 +62,17 @@ class ModelConfig(Section):
     """Branch, tag or commit of a hub id ``model.name_or_path``; ``null`` is ``main``. Refused with a
     local directory or the embedded model."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Parameter dtype for training: ``auto`` is bf16 on a GPU and fp32 on a CPU."""
+    """Parameter dtype: weights, gradients and optimizer state. ``auto`` is fp32 on every device
+    (fp32 master weights; before mixed precision it was bf16 on a GPU). ``bfloat16`` keeps pure bf16
+    weights and updates them in bf16, as ``auto`` did on a GPU before. ``float32`` on a GPU now
+    computes in bf16 too (``model.compute_dtype=auto``); full fp32 there is ``model.compute_dtype=float32``."""
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Forward/backward compute dtype. ``auto``: bf16 on a GPU over fp32 parameters (mixed precision:
+    autocast in one process, FSDP2's bf16 policy with fp32 gradient reduction when sharded), else
+    the parameter dtype (fp32 on a CPU, nothing autocast). ``bfloat16`` over fp32 parameters is mixed
+    precision on any device; ``float32`` with ``model.dtype`` auto/float32 is full fp32 on a GPU.
+    The vLLM engine (and a teacher) runs in this dtype and receives the weights cast to it.
+    Refused: compute wider than the parameters, and float16 over float32 (needs loss scaling)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` picks CUDA when a GPU is visible, else the CPU."""
     use_chat_template: bool = True

@@ -20,6 +20,7 @@ In one process the policy's parameters are plain tensors and ``DataParallel.of``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -354,9 +355,33 @@ def will_shard_policy() -> bool:
     return rank_and_world()[1] > 1
 
 
-def shard_for_world(model: nn.Module, dp_replicate: int, dp_shard: int | None) -> DataParallel | SingleProcess:
-    """FSDP2 over the policy ranks' mesh when the run has several (``shard_policy``); the model as it
-    is, with ``SingleProcess`` reductions, in one process."""
+def mixed_precision_policy(param_dtype: torch.dtype, compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """FSDP2's form of the run's precision (``models/precision.py``): with a compute dtype narrower
+    than the parameters, each unit all-gathers its weights in the compute dtype and computes in it,
+    while gradients are reduce-scattered in fp32 into fp32 shards (the master weights the optimizer
+    steps). Equal dtypes: FSDP2's default policy, nothing cast."""
+    if compute_dtype == param_dtype:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def mixed_forward(
+    model: nn.Module, autocast: contextlib.AbstractContextManager[None]
+) -> contextlib.AbstractContextManager[None]:
+    """The context a mixed-precision forward of ``model`` runs in: ``autocast`` for a plain module;
+    nothing for an FSDP2-sharded one, whose MixedPrecisionPolicy (``mixed_precision_policy``)
+    computes in the compute dtype already (autocast on top would apply it twice)."""
+    return contextlib.nullcontext() if is_sharded(model) else autocast
+
+
+def shard_for_world(
+    model: nn.Module, dp_replicate: int, dp_shard: int | None, *, compute_dtype: torch.dtype | None = None
+) -> DataParallel | SingleProcess:
+    """FSDP2 over the policy ranks' mesh when the run has several (``shard_policy``), computing in
+    ``compute_dtype`` (None: the parameters' dtype); the model as it is, with ``SingleProcess``
+    reductions, in one process (the trainer autocasts there)."""
     if not will_shard_policy():
         return SingleProcess()
-    return shard_policy(model, build_dp_mesh(dp_replicate, dp_shard))
+    param_dtype = next(model.parameters()).dtype
+    policy = mixed_precision_policy(param_dtype, compute_dtype or param_dtype)
+    return shard_policy(model, build_dp_mesh(dp_replicate, dp_shard), mp_policy=policy)

@@ -53,6 +53,7 @@ from posttrain.loop.run_dir import create_run_dir, job_dir, write_resolved_confi
 from posttrain.metrics.sinks import MetricsLogger, OffRankLogger
 from posttrain.metrics.timers import StepTimer, peak_memory_frame
 from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.models.precision import resolve_precision
 from posttrain.policy.objective import Objective
 from posttrain.policy.trainer import PolicyTrainer, build_reference
 from posttrain.rewards.registry import get_reward
@@ -129,7 +130,8 @@ def start_run(cfg: RunConfig, argv: list[str], objective: Objective) -> Run:
     )
     engine = build_rollout_engine(cfg, model, tokenizer, log)
     reference = build_reference(model, cfg, objective)
-    dp = shard_for_world(model, cfg.grid.dp_replicate, cfg.grid.dp_shard)
+    precision = resolve_precision(cfg.model.dtype, cfg.model.compute_dtype, device)
+    dp = shard_for_world(model, cfg.grid.dp_replicate, cfg.grid.dp_shard, compute_dtype=precision.compute_dtype)
     roles = Roles(data=data, engine=engine, reward=reward, tokenizer=tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = PolicyTrainer(model, cfg, objective=objective, pad_id=pad_id, ref_model=reference)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from posttrain.errors import ConfigError
 from posttrain.models.embedded import embedded_model_dir, known_embedded_models
 from posttrain.models.hub import cached_snapshot, is_hub_id, resolve_hub_model, revision_key
+from posttrain.models.precision import resolve_precision
 
 if TYPE_CHECKING:
     import torch
@@ -110,7 +111,8 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bf16 on CUDA and fp32 elsewhere (CPU bf16 matmuls are slow and lossy)."""
+    """A dtype name; ``auto`` is the device's compute dtype: bf16 on CUDA and fp32 elsewhere (CPU bf16
+    matmuls are slow and lossy). The policy's parameter dtype is ``resolve_precision``'s."""
     import torch
 
     if dtype == "auto":
@@ -137,13 +139,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def load_model_and_tokenizer(
     model_cfg: ModelConfig, *, key: str = "model.name_or_path"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the model ``model.name_or_path`` at ``model.revision`` names on ``model.device`` in
-    ``model.dtype`` (eval mode), and its tokenizer; ``key`` names the setting in errors."""
+    """Load the model ``model.name_or_path`` at ``model.revision`` names on ``model.device`` with its
+    parameters in ``model.dtype`` (``auto``: fp32, the master weights of mixed precision; see
+    ``models/precision.py``) in eval mode, and its tokenizer; ``key`` names the setting in errors."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(model_cfg.name_or_path, model_cfg.revision, key=key)
     device = resolve_device(model_cfg.device)
-    dtype = resolve_dtype(model_cfg.dtype, device)
+    dtype = resolve_precision(model_cfg.dtype, model_cfg.compute_dtype, device).param_dtype
     tokenizer = load_tokenizer(path)
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.to(device)

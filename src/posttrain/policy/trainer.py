@@ -12,6 +12,7 @@ and reads no algorithm's own knobs.
 from __future__ import annotations
 
 import copy
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -19,8 +20,9 @@ from torch import nn
 from posttrain.algorithm.loss_types import LossInputs, LossNormalizer, LossStats
 from posttrain.config.schema import RunConfig
 from posttrain.distributed.cells import cell_config
-from posttrain.distributed.fsdp import DataParallel, first_nonfinite, largest_entry
+from posttrain.distributed.fsdp import DataParallel, first_nonfinite, largest_entry, mixed_forward
 from posttrain.errors import PosttrainError, TrainingError
+from posttrain.models.precision import compute_autocast, dtype_name, resolve_precision
 from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_micro_batches
 from posttrain.policy.logprobs import check_packing_isolates, completion_logprobs
 from posttrain.policy.objective import Objective, objective_spec
@@ -110,6 +112,9 @@ class PolicyTrainer:
         self.objective = objective
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        # From the parameters as loaded, so a model built outside load_model_and_tokenizer resolves
+        # like one loaded from the config (model.compute_dtype=auto: bf16 over fp32 on CUDA only).
+        self.precision = resolve_precision(dtype_name(self.dtype), cfg.model.compute_dtype, self.device)
         self.optimizer = build_optimizer(model, cfg.rl.optimizer, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.rl.optimizer, total_steps=cfg.rl.max_steps * cfg.rl.n_mini)
         self.optimizer_step = 0
@@ -187,11 +192,21 @@ class PolicyTrainer:
             pack_capacity=0 if self.cfg.model.sequence_packing else None,
         )
 
+    def _compute(self, model: nn.Module) -> AbstractContextManager[None]:
+        """The compute dtype for a forward of ``model`` (policy, pi_old or reference pass): autocast
+        when the run is mixed and ``model`` is a plain module. An FSDP2-sharded policy computes in
+        bf16 through its MixedPrecisionPolicy already (``shard_policy``), so it gets nothing here;
+        nor does any module of a run whose compute dtype is its parameter dtype (the CPU default)."""
+        if not self.precision.mixed:
+            return nullcontext()
+        return mixed_forward(model, compute_autocast(self.precision, self.device))
+
     def _logprobs(self, model: nn.Module, mb: PolicyBatch | GroupedBatch) -> torch.Tensor:
         temperature, chunk = self.cfg.rl.temperature, self.cfg.model.logprob_chunk_tokens
-        if isinstance(mb, GroupedBatch):
-            return grouped_completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk)
-        out = completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk)
+        with self._compute(model):
+            if isinstance(mb, GroupedBatch):
+                return grouped_completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk)
+            out = completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk)
         return out if isinstance(out, torch.Tensor) else out[0]
 
     # -- passes --------------------------------------------------------------------------------
@@ -225,13 +240,14 @@ class PolicyTrainer:
         from one forward on the plain path (the chunked LM head gathers K + 1 columns)."""
         if not isinstance(pb, PolicyBatch):
             raise TypeError("logprobs at extra ids need the plain PolicyBatch (see _decide_sharing)")
-        out = completion_logprobs(
-            self.model,
-            pb,
-            temperature=self.cfg.rl.temperature,
-            chunk_tokens=self.cfg.model.logprob_chunk_tokens,
-            head_ids_BTK=ids_BTK,
-        )
+        with self._compute(self.model):
+            out = completion_logprobs(
+                self.model,
+                pb,
+                temperature=self.cfg.rl.temperature,
+                chunk_tokens=self.cfg.model.logprob_chunk_tokens,
+                head_ids_BTK=ids_BTK,
+            )
         if not isinstance(out, tuple):
             raise TypeError("completion_logprobs returned no logprobs at the extra ids")
         return out
@@ -290,7 +306,7 @@ class PolicyTrainer:
     def _probe(self, inputs: LossInputs, step: int) -> None:
         """pi_old must equal the first mini-batch's current logprobs: the policy has not moved yet."""
         gap = ((inputs.logprobs_BT.detach() - inputs.old_logprobs_BT).abs() * inputs.mask_BT).max()
-        tol = PROBE_TOLERANCE.get(self.dtype, 1e-4)
+        tol = PROBE_TOLERANCE.get(self.precision.compute_dtype, 1e-4)
         if float(gap) > tol:
             raise TrainingError(
                 f"step {step}: determinism probe failed: pi_old differs from the first mini-batch's logprobs by "

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from posttrain.config.loading import shown
 from posttrain.config.schema import RunConfig
+from posttrain.models.precision import precision_conflict
 from posttrain.preflight.eval import check_eval
 from posttrain.preflight.findings import Findings
 from posttrain.preflight.grid import check_grid
@@ -310,6 +311,9 @@ def run_checks(cfg: ConfigT, objective_checks: Sequence[Callable[[ConfigT, Findi
     checks, all problems at once."""
     findings = Findings()
     check_model_path("model.name_or_path", cfg.model.name_or_path, findings, revision=cfg.model.revision)
+    conflict = precision_conflict(cfg.model.dtype, cfg.model.compute_dtype)  # contradictory dtypes, by name
+    if conflict is not None:
+        findings.errors.append(conflict)
     check_batching(cfg, findings)
     for check in objective_checks:
         check(cfg, findings)

@@ -5,9 +5,9 @@ the model's chat template. The reward is 1 when the last number of the completio
 The untrained model ends on the right number in roughly one completion in ten (it often restates
 the question or rambles), so many groups mix right and wrong answers and GRPO has a signal from
 step 0. On a 2-core CPU (fp32) the 60 steps take about 7 minutes and the reward climbs from about
-0.4 (first quarter) to about 0.8 (last quarter); benchmarks/cpu_default.md has the curve. In bf16
-on a GPU the same learning rate moves the weights less: give it a longer schedule
-(``rl.max_steps=300``) or a larger ``rl.optimizer.lr``.
+0.4 (first quarter) to about 0.8 (last quarter); benchmarks/cpu_default.md has the curve. On a GPU
+the same learning rate works as is: the policy keeps fp32 master weights and computes in bf16
+(benchmarks/gpu_precision.md: 0.49 -> 0.87 over 200 steps with the vLLM engine on one H200).
 """
 
 from posttrain.config.schema import GRPOConfig

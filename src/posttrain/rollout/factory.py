@@ -16,7 +16,8 @@ from posttrain.config.schema import RunConfig
 from posttrain.distributed.fsdp import will_shard_policy
 from posttrain.distributed.world import rank_and_world
 from posttrain.metrics.sinks import MetricsLogger
-from posttrain.models.loading import resolve_model_path
+from posttrain.models.loading import resolve_device, resolve_model_path
+from posttrain.models.precision import Precision, dtype_name, resolve_precision
 from posttrain.rollout.base import RolloutEngine
 from posttrain.rollout.hf_engine import HFRolloutEngine
 
@@ -35,19 +36,34 @@ def build_rollout_engine(cfg: RunConfig, model: Any, tokenizer: Any, log: Metric
         # over several ranks cannot be sampled from, so the engine gets its own whole copy then.
         engine_model = copy.deepcopy(model) if will_shard_policy() else model
         return build_hf_engine(cfg, engine_model, tokenizer)
+    # vLLM runs in the compute dtype (bf16 under mixed precision, whatever the master weights'
+    # dtype: its attention kernels take no fp32) and receives the weights cast to it.
     engine = build_vllm_engine(
         cfg,
         resolve_model_path(cfg.model.name_or_path, cfg.model.revision),
         tokenizer,
-        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        dtype=policy_precision(cfg, model).compute_name,
     )
     log.info(f"vLLM engine started in {engine.start_s:.1f}s (logprobs_mode={engine.logprobs_mode})")
     return engine
 
 
+def policy_precision(cfg: RunConfig, model: Any) -> Precision:
+    """The precision the policy ``model`` trains in: its parameters' dtype, ``model.compute_dtype``."""
+    first = next(model.parameters())
+    return resolve_precision(dtype_name(first.dtype), cfg.model.compute_dtype, first.device)
+
+
+def vllm_dtype(cfg: RunConfig) -> str:
+    """The dtype a vLLM engine for the policy runs in, from the config alone (a replica holds no
+    policy): ``model.compute_dtype`` over ``model.dtype`` on ``model.device``."""
+    return resolve_precision(cfg.model.dtype, cfg.model.compute_dtype, resolve_device(cfg.model.device)).compute_name
+
+
 def build_hf_engine(cfg: RunConfig, model: Any, tokenizer: Any) -> HFRolloutEngine:
-    """The transformers engine the ``rollout`` section describes, sampling with ``model``."""
-    return HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
+    """The transformers engine the ``rollout`` section describes, sampling with ``model`` in the
+    policy's compute dtype (under the training forward's autocast when mixed)."""
+    return HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size, precision=policy_precision(cfg, model))
 
 
 def build_vllm_engine(

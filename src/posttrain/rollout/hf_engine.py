@@ -35,12 +35,14 @@ import hashlib
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from posttrain.models.chat import eos_token_ids
+from posttrain.models.precision import Precision, compute_autocast
 from posttrain.rollout.base import (
     Completion,
     FinishReason,
@@ -205,12 +207,16 @@ class HFRolloutEngine:
         *,
         batch_size: int = 256,
         eos_ids: list[int] | None = None,
+        precision: Precision | None = None,
     ) -> None:
+        """``precision``: the policy's (mixed: sampling runs under the training forward's autocast, so
+        the sampler's logprobs are comparable with the trainer's); None computes in the weights' dtype."""
         if batch_size < 1:
             raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.precision = precision
         generation_config = getattr(model, "generation_config", None)
         self.eos_ids = (
             list(eos_ids) if eos_ids else eos_token_ids(tokenizer, model.config, generation_config=generation_config)
@@ -286,7 +292,7 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._compute(device):
                 results = []
                 for chunk in plan_chunks(len(prompt_token_ids), n, self.batch_size):
                     prompts = [prompt_token_ids[i] for i in chunk.prompt_index_U]
@@ -295,6 +301,12 @@ class HFRolloutEngine:
             self.model.train(was_training)
         gen_s = time.perf_counter() - start
         return self._package(prompt_token_ids, n, results, gen_s)
+
+    def _compute(self, device: torch.device) -> AbstractContextManager[None]:
+        """Autocast to the policy's compute dtype when it is mixed; nothing entered otherwise."""
+        if self.precision is None or not self.precision.mixed:
+            return nullcontext()
+        return compute_autocast(self.precision, device)
 
     def _package(self, prompts: list[list[int]], n: int, results: list[_Sampled], gen_s: float) -> RolloutBatch:
         texts = self.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)

@@ -69,22 +69,19 @@ def build_replica(cfg: RunConfig) -> Replica:
     from posttrain.models.loading import (
         load_model_and_tokenizer,
         load_tokenizer,
-        resolve_device,
-        resolve_dtype,
         resolve_model_path,
     )
-    from posttrain.rollout.factory import build_hf_engine, build_vllm_engine
+    from posttrain.rollout.factory import build_hf_engine, build_vllm_engine, vllm_dtype
 
     if cfg.rollout.backend != "vllm":
         model, tokenizer = load_model_and_tokenizer(cfg.model)
         return Replica(build_hf_engine(cfg, model, tokenizer), next(model.parameters()).device)
     path = resolve_model_path(cfg.model.name_or_path, cfg.model.revision)
-    dtype = resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))  # the policy's dtype
     engine = build_vllm_engine(
         cfg,
         path,
         load_tokenizer(path),
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=vllm_dtype(cfg),  # the policy's compute dtype
         enable_sleep_mode=False,  # the replica's GPU is its own: nothing to make room for
     )
     # where the nccl transport receives into (Ray gives the actor its GPU as cuda:0)

@@ -96,6 +96,9 @@ class VLLMRolloutEngine:
         self._checkpoint_names = checkpoint_tensor_names(model_dir)
         self.state = EngineState("the vLLM rollout engine cannot be used: {reason}. " + RESUME_HINT)
         self.last_sync_s = 0.0  # seconds the last load_weights took (the loop logs timer/weight_sync_s)
+        # What received weights are cast to (None: as they come): vLLM's loaders would cast on copy,
+        # but casting first halves what crosses to a separate engine process for fp32 master weights.
+        self.weight_dtype: torch.dtype | None = None if dtype == "auto" else getattr(torch, dtype)
         if sleep_level not in (1, 2):
             raise ValueError(
                 f"sleep_level must be 1 (weights kept in CPU memory) or 2 (weights dropped), got {sleep_level}"
@@ -108,7 +111,9 @@ class VLLMRolloutEngine:
         self._weights_dropped = False  # level-2 sleep discarded the weights and no load_weights followed
         self.last_sleep_s = 0.0  # seconds the last sleep took (reported as rollout/sleep_s)
         self.last_wake_s = 0.0  # seconds spent waking up since the last sleep (weights + KV cache)
-        engine_args = _engine_args(separate_process, async_scheduling, attention_backend, cuda, self.sleep_mode)
+        engine_args = _engine_args(
+            separate_process, async_scheduling, attention_backend, cuda, self.sleep_mode, dtype=dtype
+        )
         start = time.perf_counter()
         self._llm = self._build(
             vllm,
@@ -206,7 +211,7 @@ class VLLMRolloutEngine:
         """Write the policy's Hugging Face-named tensors into the vLLM model; stamp ``version`` only
         once the whole transfer succeeded. Any failure poisons the engine (mixed weights)."""
         self.state.check_usable()
-        pairs = [(name, tensor.detach()) for name, tensor in _pairs(named_tensors)]
+        pairs = [(name, _as_engine_dtype(tensor.detach(), self.weight_dtype)) for name, tensor in _pairs(named_tensors)]
         missing = self._checkpoint_names - {name for name, _ in pairs}
         if missing:  # refused before anything is written: the engine keeps its current weights
             raise TrainingError(
@@ -283,10 +288,25 @@ def _model_eos_ids(model_dir: str, tokenizer: Any) -> list[int]:
     return eos_token_ids(tokenizer, config, generation_config=generation_config)
 
 
+def _as_engine_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A floating tensor in the engine's dtype (fp32 master weights -> the bf16 engine); others as they are."""
+    if dtype is None or not tensor.is_floating_point() or tensor.dtype == dtype:
+        return tensor
+    return tensor.to(dtype)
+
+
 def _engine_args(
-    separate_process: bool, async_scheduling: bool | None, attention_backend: str | None, cuda: bool, sleep_mode: bool
+    separate_process: bool,
+    async_scheduling: bool | None,
+    attention_backend: str | None,
+    cuda: bool,
+    sleep_mode: bool,
+    *,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
-    """The ``vllm.LLM`` arguments that depend on the platform and the engine's options."""
+    """The ``vllm.LLM`` arguments that depend on the platform and the engine's options. On CUDA
+    ``auto`` picks FLASH_ATTN, which takes bf16/fp16 only: a float32 engine (``model.compute_dtype=
+    float32``) is left to vLLM's own choice of a backend that accepts its dtype."""
     engine_args: dict[str, Any] = {}
     if separate_process:
         engine_args["worker_extension_cls"] = WORKER_EXTENSION
@@ -294,7 +314,9 @@ def _engine_args(
         engine_args["async_scheduling"] = async_scheduling
     if cuda:
         # The device's vLLM 0.24 set has no FlashInfer: pick vLLM's own FlashAttention build.
-        backend = "FLASH_ATTN" if attention_backend == "auto" else attention_backend
+        backend = attention_backend
+        if attention_backend == "auto":
+            backend = None if dtype in ("float32", "fp32") else "FLASH_ATTN"
         if backend is not None:
             engine_args["attention_backend"] = backend
         if sleep_mode:

@@ -11,7 +11,8 @@ import time
 from posttrain.config.opd import OPDConfig
 from posttrain.errors import ConfigError
 from posttrain.metrics.sinks import MetricsLogger
-from posttrain.models.loading import load_model_and_tokenizer, load_tokenizer, resolve_model_path
+from posttrain.models.loading import load_model_and_tokenizer, load_tokenizer, resolve_device, resolve_model_path
+from posttrain.models.precision import resolve_precision
 from posttrain.teacher.base import Teacher
 from posttrain.teacher.hf_teacher import HFTeacher
 
@@ -24,6 +25,10 @@ def build_teacher(cfg: OPDConfig, log: MetricsLogger) -> Teacher:
     if t.name_or_path is None:  # refused by the preflight; narrows the type
         raise ConfigError(["rl.teacher.name_or_path is required"])
     started = time.perf_counter()
+    # The frozen teacher keeps no master weights: it loads and scores in the policy's compute dtype
+    # (bf16 under mixed precision on a GPU; fp32 on a CPU, as before).
+    m = cfg.model
+    compute = resolve_precision(m.dtype, m.compute_dtype, resolve_device(m.device)).compute_name
     teacher: Teacher
     if t.backend == "vllm":
         from posttrain.teacher.vllm_teacher import VLLMTeacher
@@ -35,10 +40,12 @@ def build_teacher(cfg: OPDConfig, log: MetricsLogger) -> Teacher:
             tensor_parallel_size=t.tensor_parallel_size,
             max_model_len=t.max_model_len,
             tokenizer=load_tokenizer(path),
+            dtype=compute,
         )
     else:
         # The teacher's own revision, never the student's model.revision that model_copy would keep.
-        teacher_cfg = cfg.model.model_copy(update={"name_or_path": t.name_or_path, "revision": t.revision})
+        update = {"name_or_path": t.name_or_path, "revision": t.revision, "dtype": compute, "compute_dtype": "auto"}
+        teacher_cfg = cfg.model.model_copy(update=update)
         model, tokenizer = load_model_and_tokenizer(teacher_cfg, key=TEACHER_KEY)
         teacher = HFTeacher(
             model,
