@@ -20,7 +20,7 @@ def _needs_cuda() -> None:
         pytest.fail("the gpu tests need a CUDA device")
 
 
-def test_default_dtype_is_bf16_on_cuda_and_a_run_trains(tiny_model_dir: str, tmp_path: Path) -> None:
+def test_default_precision_on_cuda_is_mixed_and_a_run_trains(tiny_model_dir: str, tmp_path: Path) -> None:
     e2e = str(Path(__file__).resolve().parents[1] / "fixtures" / "e2e")
     import sys
 
@@ -42,3 +42,9 @@ def test_default_dtype_is_bf16_on_cuda_and_a_run_trains(tiny_model_dir: str, tmp
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["train/grad_norm"] > 0 for r in records)
     assert torch.cuda.max_memory_allocated() > 0
+    # fp32 master weights by default on CUDA (the compute runs in bf16 under autocast)
+    from posttrain.models.precision import resolve_precision
+
+    assert "on cuda:0 in torch.float32" in (run_dir / "train.log").read_text()
+    precision = resolve_precision(cfg.model.dtype, cfg.model.compute_dtype, torch.device("cuda"))
+    assert (precision.param_dtype, precision.compute_dtype) == (torch.float32, torch.bfloat16)
