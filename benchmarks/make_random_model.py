@@ -23,6 +23,14 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=64),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, head_dim=128),
+    # larger bodies of the same family (Qwen2.5-3B and -7B; a 10B-class one between 7B and 14B),
+    # used by update_memory.py to find the largest model that trains on one GPU
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2, head_dim=128),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, head_dim=128),
+    "10b": dict(hidden_size=4096, intermediate_size=22016, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128),
 }  # fmt: skip
 
 

@@ -19,6 +19,10 @@ fi
 if ! .venv/bin/python -c "import wandb" 2>/dev/null; then
   .venv/bin/python -m pip install -q "wandb>=0.19"
 fi
+# The LoRA tests train adapters through peft: the `lora` extra.
+if ! .venv/bin/python -c "import peft" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "peft>=0.15"
+fi
 echo "== ruff"
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/ruff format --check src tests benchmarks

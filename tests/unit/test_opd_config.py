@@ -192,6 +192,7 @@ def test_opd_config_is_the_shared_config_without_grpo_knobs() -> None:
         "rl.kl_coeff_clamp",
         "rl.ref",
         "rl.score_centering",
+        "rl.routing_replay",
         "rl.min_informative_groups",
         "rl.min_informative_groups_frac",
         "rl.dynamic_sampling_max_extra_rollouts",

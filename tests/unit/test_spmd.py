@@ -57,6 +57,8 @@ def test_rank_metrics_merge_by_what_they_measure() -> None:
         ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4, 6"}, "6"),
         # already one device per rank (Ray actors, schedulers): unchanged
         ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "3"}, None),
+        # GPUs hidden on purpose (set but empty): every rank stays on the CPU, nothing pinned
+        ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": ""}, None),
         # one process under torchrun, or no torchrun at all: unchanged
         ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, None),
         ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, None),

@@ -7,14 +7,16 @@ Layout of one attempt's checkpoints (``<run dir>/checkpoints/``)::
       optimizer.pt             optimizer state                 | optim_dcp/
       scheduler.pt             LR-schedule state
       training_state.json      counters, data cursor, engine state, RNG, run identity
-      hf/                      config.json, generation_config.json, tokenizer files (HF models only)
+      config.json, ...         generation_config.json, tokenizer files (HF models only): with them a
+                               consolidated checkpoint is a model directory transformers and vLLM load
       manifest.json            written LAST: every file's size and sha256
     iter_000000020.tmp-4242/   a save in progress (or interrupted): never resumed from
     latest_checkpoint.txt      names the newest complete iter_* directory, rewritten after each save
 
 Modules, one job each: ``layout`` (names, the latest pointer, ``TrainingState``), ``manifest``
-(the file list written last, hashing), ``writer`` (snapshot, payload, publish, retention:
-``CheckpointWriter``), ``reader`` (verify, find the newest complete one, resolve ``rl.resume``,
+(the file list written last, hashing), ``snapshot`` (what a save captures before it returns),
+``writer`` (payload, publish, async saves, retention: ``CheckpointWriter``), ``hf_dir`` (the
+Hugging Face files), ``reader`` (verify, find the newest complete one, resolve ``rl.resume``,
 load), ``rng``, ``provenance``, ``export`` (``posttrain export-hf``) and ``graceful_stop``
 (SIGTERM / SIGINT). What a resume must keep unchanged (the run identity) is the loop's policy:
 ``posttrain.loop.resume``; this package stores that identity without interpreting it.

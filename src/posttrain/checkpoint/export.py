@@ -1,10 +1,14 @@
-"""``posttrain export-hf CHECKPOINT OUT_DIR``: a checkpoint as a Hugging Face model directory.
+"""``posttrain export-hf CHECKPOINT OUT_DIR``: a checkpoint as a separate Hugging Face model directory.
 
-The output (``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer
-files) loads with ``AutoModelForCausalLM.from_pretrained`` and in vLLM. The config and tokenizer
-come from the checkpoint's ``hf/`` directory, which ``CheckpointWriter`` writes for Hugging Face
-models (the tokenizer when the loop passes it); ``base_model_dir`` supplies them for a checkpoint
-without ``hf/`` (or adds a tokenizer that was not stored).
+Optional for ``consolidated`` checkpoints of Hugging Face models: their ``iter_*`` directory loads
+as is (``posttrain.checkpoint.hf_dir``). Export is for a ``dcp`` checkpoint, a checkpoint without a
+stored config (``base_model_dir``), or a directory of just the model files to hand on. The output
+(``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer files) loads
+with ``AutoModelForCausalLM.from_pretrained`` and in vLLM. The config and tokenizer come from the
+checkpoint (beside the weights; under ``hf/`` in checkpoints written before that layout), which
+``CheckpointWriter`` writes for Hugging Face models (the tokenizer when the loop passes it);
+``base_model_dir`` supplies them for a checkpoint without them (or adds a tokenizer that was not stored).
+Every file is verified by size and sha256 first, whatever ``rl.checkpoint_verify`` says.
 
 The weights go through a freshly built model (``from_config``) and ``save_pretrained``: both
 checkpoint formats load the same way ``load_checkpoint`` does, a mismatch between weights and
@@ -22,12 +26,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from posttrain.checkpoint import CheckpointError
-from posttrain.checkpoint.layout import HF_DIR
+from posttrain.checkpoint.hf_dir import meta_dir
 from posttrain.checkpoint.manifest import MANIFEST_NAME, read_manifest
 from posttrain.checkpoint.reader import find_latest_complete, load_checkpoint, verify_checkpoint
 
 _log = logging.getLogger("posttrain.checkpoint")
 
+_NOT_SIDE_FILES = ("config.json", "adapter_config.json")  # the adapter's config describes no merged model
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".index.json")
 
 
@@ -45,12 +50,12 @@ def _resolve_checkpoint(path: Path) -> Path:
 
 def _meta_dir(ckpt: Path, base_model_dir: str | None) -> Path:
     """Where config.json and the tokenizer come from."""
-    stored = ckpt / HF_DIR
-    if (stored / "config.json").is_file():
+    stored = meta_dir(ckpt)
+    if stored is not None:
         return stored
     if base_model_dir is None:
         raise CheckpointError(
-            f"{ckpt} stores no Hugging Face config ({HF_DIR}/config.json): it was not saved from a transformers "
+            f"{ckpt} stores no Hugging Face config (config.json): it was not saved from a transformers "
             "model; pass base_model_dir (--base-model-dir) pointing at the model it was trained from"
         )
     base = Path(base_model_dir).expanduser()
@@ -63,7 +68,7 @@ def _copy_side_files(src: Path, dst: Path, *, overwrite: bool) -> list[str]:
     """Tokenizer files, generation config, chat template...: everything but weights and config.json."""
     copied = []
     for file in sorted(src.iterdir()):
-        if not file.is_file() or file.name == "config.json" or file.name.endswith(_WEIGHT_SUFFIXES):
+        if not file.is_file() or file.name in _NOT_SIDE_FILES or file.name.endswith(_WEIGHT_SUFFIXES):
             continue
         if overwrite or not (dst / file.name).exists():
             shutil.copy2(file, dst / file.name)
@@ -91,12 +96,19 @@ def export_hf(checkpoint: Path, out_dir: Path, *, base_model_dir: str | None = N
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out} exists and is not empty; remove it or choose another output directory")
     meta = _meta_dir(ckpt, base_model_dir)
-    config = AutoConfig.from_pretrained(str(meta), local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config)
     dtype = manifest.get("model_dtype")
-    if dtype:
-        model.to(getattr(torch, dtype))
-    load_checkpoint(ckpt, model, verify=False)
+    if (meta / "adapter_config.json").is_file():  # a LoRA checkpoint: the adapter merged into its base
+        from posttrain.models.lora import adapter_policy, checkpoint_module
+
+        policy = adapter_policy(meta, base_model_dir, getattr(torch, dtype) if dtype else None)
+        load_checkpoint(ckpt, checkpoint_module(policy), verify=False)
+        model = policy.merge_and_unload()
+    else:
+        config = AutoConfig.from_pretrained(str(meta), local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config)
+        if dtype:
+            model.to(getattr(torch, dtype))
+        load_checkpoint(ckpt, model, verify=False)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

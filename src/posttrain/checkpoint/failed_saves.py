@@ -58,6 +58,19 @@ except ImportError:  # pragma: no cover - safetensors ships with transformers
     pass
 
 
+def root_failure(exc: BaseException) -> BaseException:
+    """The error that stopped a save: for ``torch.distributed.checkpoint``'s ``CheckpointException``
+    (a ``BaseException`` carrying ``{rank: (error, traceback)}``) the lowest rank's own error, which
+    is what a reason can be read from; ``exc`` itself otherwise."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        inner = first[0] if isinstance(first, tuple) and first else first
+        if isinstance(inner, BaseException):
+            return inner
+    return exc
+
+
 def _chain(exc: BaseException) -> list[BaseException]:
     out: list[BaseException] = []
     cur: BaseException | None = exc

@@ -7,14 +7,18 @@ Formats (``rl.checkpoint_format``):
   An FSDP2-sharded policy (several ranks) is gathered to rank 0 first, which writes the full
   weights and the full optimizer state keyed by parameter name (``optimizer_layout: fqn`` in the
   manifest; loaded with ``set_optimizer_state_dict``); every rank still writes its own training state.
+  For a transformers model the directory is a Hugging Face model directory that
+  ``from_pretrained`` and vLLM load as is (``posttrain.checkpoint.hf_dir``).
 * ``dcp``: ``model_dcp/`` and ``optim_dcp/`` written with ``torch.distributed.checkpoint`` (every
   rank writes its own shards; in a single process it works without a process group). Model and
   optimizer are separate DCP directories so retention can drop one without the other.
 
 Both also hold ``training_state.json`` (counters, data cursor, engine state, RNG, run identity;
 rank r > 0 of a multi-rank job adds ``training_state.rank<r>.json`` for its own RNG and cursors)
-and, for Hugging Face models, ``hf/`` (config, generation config, tokenizer) so that
-``posttrain export-hf`` needs nothing but the checkpoint.
+and, for Hugging Face models, their side files (``config.json``, ``generation_config.json``, the
+tokenizer) beside the weights, so that ``posttrain export-hf`` needs nothing but the checkpoint.
+Checkpoints written before that layout, and a LoRA policy's adapter checkpoints, keep the side
+files under ``hf/``.
 """
 
 from __future__ import annotations

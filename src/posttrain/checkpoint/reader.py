@@ -1,8 +1,13 @@
 """Checkpoints read back: verify one, find the newest complete one, resolve ``rl.resume``, load.
 
-Only a directory whose manifest exists and whose every listed file has the recorded size and hash
-counts as a checkpoint: a half-written ``.tmp-`` save, a corrupt one or one that retention pruned
-is never resumed from (skipped with a warning when searching, refused when named).
+Only a directory whose manifest exists and whose every listed file has the recorded size (and, when
+asked, the recorded hash) counts as a checkpoint: a half-written ``.tmp-`` save, a corrupt one or one
+that retention pruned is never resumed from (skipped with a warning when searching, refused when
+named). How much a load checks is ``Verify`` (``rl.checkpoint_verify``): ``size`` trusts the
+manifest, which is written last, after every file was fsync'ed, so a save that did not finish has
+none, and checks that every file it lists exists with its recorded size (a truncated or missing
+file); ``hash`` also reads every byte and compares its sha256 (a same-size corruption: bit rot, a
+file overwritten in place). The library functions default to ``hash``; the loop passes the config's.
 
 Exactness: on CPU a resumed run continues bitwise (weights, optimizer moments and step counts,
 schedule, RNG, data cursor and sampling-call counter are all restored). On GPUs the state is
@@ -14,8 +19,9 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -41,6 +47,9 @@ if TYPE_CHECKING:
     from torch import nn
 
 _log = logging.getLogger("posttrain.checkpoint")
+
+Verify = Literal["size", "hash"]
+"""How a checkpoint is verified before it is used: sizes against the manifest, or sizes and sha256."""
 
 # -- verify / find / resolve ----------------------------------------------------------------------
 
@@ -140,11 +149,14 @@ def describe_fresh_start(skipped: Skipped) -> str:
     return f"rl.resume=auto: no resumable checkpoint of this job: {'. '.join(parts)}. Starting fresh"
 
 
-def resolve_resume(resume: str, job_dir: Path, *, skipped: Skipped | None = None) -> Path | None:
+def resolve_resume(
+    resume: str, job_dir: Path, *, skipped: Skipped | None = None, verify: Verify = "hash"
+) -> Path | None:
     """What ``rl.resume`` names: ``off`` -> None; ``auto`` -> the newest complete checkpoint of the
     newest attempt under ``job_dir`` that has one (older attempts are searched when the newer ones
-    have none), None if none; otherwise an ``iter_*`` path, which must verify. ``skipped``: see
-    ``find_latest_complete`` (for ``auto``)."""
+    have none), None if none; otherwise an ``iter_*`` path, which must verify (``verify``: sizes, or
+    sizes and hashes). ``skipped``: see ``find_latest_complete`` (for ``auto``)."""
+    full = verify == "hash"
     if resume == "off":
         return None
     if resume == "auto":
@@ -155,7 +167,7 @@ def resolve_resume(resume: str, job_dir: Path, *, skipped: Skipped | None = None
             else []
         )
         for attempt in attempts:
-            found = find_latest_complete(attempt / "checkpoints", skipped=skipped)
+            found = find_latest_complete(attempt / "checkpoints", full=full, skipped=skipped)
             if found is not None:
                 return found
         return None
@@ -167,7 +179,7 @@ def resolve_resume(resume: str, job_dir: Path, *, skipped: Skipped | None = None
             newest = find_latest_complete(root) if root.is_dir() else None
             if newest is not None:
                 raise CheckpointError(f"rl.resume={resume!r} is not a checkpoint; did you mean {newest}?")
-    problems = verify_checkpoint(path, full=True)
+    problems = verify_checkpoint(path, full=full)
     if problems:
         raise CheckpointError(
             f"rl.resume={resume!r}: refusing a checkpoint that does not verify: " + "; ".join(problems)
@@ -258,14 +270,16 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     *,
-    verify: bool = True,
+    verify: Verify | bool = "hash",
 ) -> TrainingState:
     """Restore weights (and optimizer / scheduler state when given) from ``path``; return the
-    training state of this rank. Refuses a checkpoint that does not verify or was pruned."""
+    training state of this rank. Refuses a checkpoint that does not verify (``verify``: ``size``,
+    ``hash``; ``True`` is ``hash``, ``False`` checks nothing, for a caller that verified already)
+    or was pruned."""
     from posttrain.distributed.fsdp import is_sharded
 
     path = Path(path)
-    problems = verify_checkpoint(path, full=True) if verify else []
+    problems = verify_checkpoint(path, full=verify in ("hash", True)) if verify is not False else []
     if problems:
         raise CheckpointError(f"refusing to load {path}: " + "; ".join(problems))
     manifest = read_manifest(path)
@@ -315,6 +329,7 @@ def _read_state(path: Path, manifest: dict[str, Any]) -> TrainingState:
 
 
 __all__ = [
+    "Verify",
     "describe_fresh_start",
     "find_latest_complete",
     "load_checkpoint",
@@ -322,3 +337,21 @@ __all__ = [
     "resolve_resume",
     "verify_checkpoint",
 ]
+
+
+def verify_main(argv: list[str]) -> int:
+    """``python -m posttrain.checkpoint.reader CHECKPOINT...``: every file of each checkpoint against
+    its manifest, sizes and sha256 (whatever ``rl.checkpoint_verify`` says); exit status 1 if any fails."""
+    if not argv:
+        print("usage: python -m posttrain.checkpoint.reader CHECKPOINT...  (iter_* directories)", file=sys.stderr)
+        return 2
+    status = 0
+    for arg in argv:
+        problems = verify_checkpoint(Path(arg), full=True)
+        print(f"{arg}: " + ("ok (sizes and sha256 match the manifest)" if not problems else "; ".join(problems)))
+        status |= bool(problems)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(verify_main(sys.argv[1:]))

@@ -6,29 +6,34 @@ directory to ``iter_<step>/`` only when it is complete, and only then rewrites
 directory that nothing ever resumes from, and the pointer only ever names complete checkpoints.
 The files of each format are described in ``posttrain.checkpoint.layout``.
 
-The save is split in two: the *snapshot* (model, optimizer and scheduler state captured before
-``save`` returns, copied to CPU memory for a background save) and the *write phase* (payload,
-manifest, rename, pointer, retention), which an async save runs in a thread.
+The save is split in two: the *snapshot* (``posttrain.checkpoint.snapshot``: model, optimizer and
+scheduler state captured before ``save`` returns) and the *write phase* (payload, manifest, rename,
+pointer, retention), which an async save runs in a thread. For an async ``dcp`` save the payload is
+``torch.distributed.checkpoint.async_save``'s: it stages (copies) the state to CPU memory before
+``save`` returns and uploads it in its own thread; the write phase waits for both uploads (model,
+optimizer) and then writes the manifest. With several ranks every collective of a background save
+(DCP's planning, the write phase's barriers) runs on gloo groups of its own
+(``posttrain.distributed.world.background_groups``), never on the training step's groups.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import threading
-from dataclasses import dataclass
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from posttrain.checkpoint import CheckpointError
-from posttrain.checkpoint.failed_saves import IO_FAILURES, failure_reason, payload_bytes
+from posttrain.checkpoint.failed_saves import IO_FAILURES, failure_reason, payload_bytes, root_failure
+from posttrain.checkpoint.hf_dir import write_model_file, write_side_files
 from posttrain.checkpoint.layout import (
-    ALIASES_KEY,
-    HF_DIR,
     MODEL_DCP,
     MODEL_FILE,
     OPTIM_DCP,
@@ -45,160 +50,72 @@ from posttrain.checkpoint.layout import (
 )
 from posttrain.checkpoint.manifest import build_manifest, fsync_dir, part_paths, read_manifest, write_manifest
 from posttrain.checkpoint.reader import find_latest_complete, verify_checkpoint
-from posttrain.distributed.world import barrier, broadcast_object, is_rank_zero, rank_and_world
+from posttrain.checkpoint.snapshot import Snapshot, take_snapshot
+from posttrain.distributed.world import background_groups, barrier, broadcast_object, is_rank_zero, rank_and_world
 
 if TYPE_CHECKING:
     from torch import nn
 
 _log = logging.getLogger("posttrain.checkpoint")
 
-
-# -- snapshot: the synchronous part of a save ----------------------------------------------------
-
-
-def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors safetensors can store (tied weights once, no shared storage) and the alias map."""
-    seen: dict[tuple[Any, ...], str] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    for name, tensor in state.items():
-        t = tensor.detach()
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        if t.numel() > 0 and key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        tensors[name] = t
-    storages: dict[tuple[Any, int], int] = {}
-    for t in tensors.values():
-        skey = (t.device, t.untyped_storage().data_ptr())
-        storages[skey] = storages.get(skey, 0) + 1
-    for name, t in tensors.items():
-        # partial views of one buffer, or non-contiguous tensors: safetensors needs them split
-        if storages[(t.device, t.untyped_storage().data_ptr())] > 1 or not t.is_contiguous():
-            tensors[name] = t.contiguous().clone()
-    return tensors, aliases
-
-
-def _to_cpu(obj: Any, *, copy: bool) -> Any:
-    """``obj`` with every tensor moved to the CPU (cloned when ``copy``, so later updates cannot leak in)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=copy)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v, copy=copy) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v, copy=copy) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_cpu(v, copy=copy) for v in obj)
-    return obj
-
-
-@dataclass
-class _Snapshot:
-    """What a save writes, captured before ``save`` returns (copied to CPU memory when async)."""
-
-    step: int
-    fmt: Format
-    model: dict[str, Any]
-    aliases: dict[str, str]
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any] | None
-    meta: dict[str, Any]
-
-
-def _model_meta(model: nn.Module) -> dict[str, Any]:
-    dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
-    return {"model_class": type(model).__name__, "model_dtype": sorted(dtypes)[0] if len(dtypes) == 1 else None}
-
-
-def _take_snapshot(
-    step: int, fmt: Format, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *, copy: bool
-) -> _Snapshot:
-    from posttrain.distributed.fsdp import is_sharded
-
-    model_sd: dict[str, Any]
-    optim_sd: dict[str, Any]
-    aliases: dict[str, str] = {}
-    meta = _model_meta(model)
-    if fmt == "dcp":
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        with quiet_dcp():
-            model_sd = dict(get_model_state_dict(model))
-            optim_sd = dict(get_optimizer_state_dict(model, optimizer))
-    # A sharded policy (several ranks) has no whole tensor on any rank: gather them to rank 0 first.
-    elif is_sharded(model):
-        model_sd, aliases, optim_sd = _gather_to_rank0(model, optimizer)
-        meta["optimizer_layout"] = "fqn"
-    else:
-        model_sd, aliases = _dedupe(model.state_dict())
-        optim_sd = optimizer.state_dict()
-    return _Snapshot(
-        step=step,
-        fmt=fmt,
-        model=_to_cpu(model_sd, copy=copy) if fmt == "consolidated" else model_sd,
-        aliases=aliases,
-        optimizer=_to_cpu(optim_sd, copy=copy) if fmt == "consolidated" else optim_sd,
-        scheduler=_to_cpu(scheduler.state_dict(), copy=True) if scheduler is not None else None,
-        meta=meta,
-    )
-
-
-def _gather_to_rank0(
-    model: nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, Any]]:
-    """A sharded model's full weights (deduplicated) and full optimizer state, keyed by parameter
-    name, on rank 0; empty on the other ranks. A collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    from posttrain.distributed.fsdp import full_state_dict
-
-    weights = full_state_dict(model, to_cpu=True, rank0_only=True)
-    with quiet_dcp():
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        optim_sd = dict(get_optimizer_state_dict(model, optimizer, options=options))
-    if not is_rank_zero():
-        return {}, {}, {}
-    model_sd, aliases = _dedupe(weights)
-    return model_sd, aliases, optim_sd
-
-
-def _write_hf_meta(model: nn.Module, tokenizer: Any, root: Path) -> list[str]:
-    """``hf/``: the model's config, generation config and the tokenizer (whatever exists)."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "save_pretrained"):
-        return []
-    hf = root / HF_DIR
-    config.save_pretrained(hf)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and hasattr(generation, "save_pretrained"):
-        generation.save_pretrained(hf)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(hf)
-    return [HF_DIR]
+# DCP warns on every save without a process group; an async upload's save runs in DCP's own thread,
+# outside any ``quiet_dcp`` block, so the (intended) one-process case is silenced for the process.
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
 
 
 # -- the write phase (runs in the background thread for async saves) ------------------------------
 
 
-def _write_payload(snap: _Snapshot, tmp: Path) -> dict[str, list[str]]:
-    """Model, optimizer and scheduler files; returns the manifest's parts for them."""
-    if snap.fmt == "dcp":
-        import torch.distributed.checkpoint as dcp
+def _start_uploads(snap: Snapshot, tmp: Path, groups: list[Any]) -> list[Future[Any]]:
+    """``async_save`` of the model and the optimizer state (a dcp save in the background): each copies
+    its state to CPU memory before it returns, then writes it in a thread of its own, on a process
+    group of its own (so the two uploads' collectives cannot interleave). The snapshot then drops
+    its references to the live state."""
+    import torch.distributed.checkpoint as dcp
 
+    futures: list[Future[Any]] = []
+    try:
         with quiet_dcp():
-            dcp.save(snap.model, checkpoint_id=str(tmp / MODEL_DCP))
-            dcp.save(snap.optimizer, checkpoint_id=str(tmp / OPTIM_DCP))
+            for sd, sub, group in ((snap.model, MODEL_DCP, groups[0]), (snap.optimizer, OPTIM_DCP, groups[1])):
+                response = dcp.async_save(sd, checkpoint_id=str(tmp / sub), process_group=group)
+                futures.append(response if isinstance(response, Future) else response.upload_completion)
+    except BaseException:
+        _join_uploads(futures, reraise=False)  # no upload may still write into a directory about to go
+        raise
+    snap.model, snap.optimizer = {}, {}
+    return futures
+
+
+def _join_uploads(futures: list[Future[Any]], *, reraise: bool = True) -> None:
+    """Wait for every upload (even after one failed: none may still be writing when the caller cleans
+    up); then raise the first failure."""
+    errors = []
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as exc:
+            errors.append(exc)
+    if errors and reraise:
+        raise errors[0]
+
+
+def _write_payload(job: _Job) -> dict[str, list[str]]:
+    """Model, optimizer and scheduler files; returns the manifest's parts for them."""
+    snap, tmp = job.snap, job.tmp
+    if snap.fmt == "dcp":
+        if job.uploads:
+            _join_uploads(job.uploads)
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            with quiet_dcp():
+                dcp.save(snap.model, checkpoint_id=str(tmp / MODEL_DCP))
+                dcp.save(snap.optimizer, checkpoint_id=str(tmp / OPTIM_DCP))
         parts = {"model": [MODEL_DCP], "optimizer": [OPTIM_DCP, SCHED_FILE]}
     elif not is_rank_zero():  # consolidated: rank 0 holds the gathered state and writes it alone
         parts = {"model": [MODEL_FILE], "optimizer": [OPTIM_FILE, SCHED_FILE]}
     else:
-        from safetensors.torch import save_file
-
-        # one metadata key only: safetensors orders header metadata from a hash map, so with two keys
-        # the same tensors could serialise to different bytes (and different manifest hashes)
-        metadata = {ALIASES_KEY: json.dumps(snap.aliases)}
-        save_file(snap.model, str(tmp / MODEL_FILE), metadata=metadata)
+        write_model_file(snap.model, snap.aliases, tmp / MODEL_FILE)
         torch.save(snap.optimizer, tmp / OPTIM_FILE)
         parts = {"model": [MODEL_FILE], "optimizer": [OPTIM_FILE, SCHED_FILE]}
     if is_rank_zero():
@@ -224,7 +141,7 @@ def _publish(tmp: Path, final: Path) -> None:
 class _Job:
     """One save in flight: where it goes and what it must do after the payload."""
 
-    snap: _Snapshot
+    snap: Snapshot
     tmp: Path
     final: Path
     root: Path
@@ -233,14 +150,20 @@ class _Job:
     keep_optim_last: int | None
     world: int
     """Ranks that wrote a training state (recorded in the manifest)."""
+    needed_bytes: int
+    """About what the payload writes (a failed save's report compares it with the free space)."""
+    uploads: list[Future[Any]] = field(default_factory=list)
+    """An async dcp save's uploads in flight (``_start_uploads``)."""
+    group: Any = None
+    """The process group of the write phase's barriers (None: the default group; one process: none)."""
 
 
 def _finish_save(job: _Job) -> Path:
     """Payload, manifest (last), rename, pointer, retention."""
     zero = is_rank_zero()
     try:
-        parts = {**job.parts, **_write_payload(job.snap, job.tmp)}
-        barrier()
+        parts = {**job.parts, **_write_payload(job)}
+        barrier(job.group)
         if zero:
             meta = {"checkpoint_format": job.snap.fmt, "step": job.snap.step, "world_size": job.world, **job.snap.meta}
             write_manifest(job.tmp, build_manifest(job.tmp, parts=parts, meta=meta))
@@ -251,13 +174,12 @@ def _finish_save(job: _Job) -> Path:
             )
     except BaseException as exc:
         if zero:
-            needed = payload_bytes(job.snap.model) + payload_bytes(job.snap.optimizer)
-            failed = _save_failed(exc, job.snap.step, job.final, job.tmp, needed_bytes=needed)
+            failed = _save_failed(exc, job.snap.step, job.final, job.tmp, needed_bytes=job.needed_bytes)
             if failed is not None:
                 raise failed from exc
         raise
     finally:
-        barrier()
+        barrier(job.group)
     return job.final
 
 
@@ -267,6 +189,7 @@ def _save_failed(
     """Remove the failed save's ``.tmp-`` directory; for a write that failed (a full disk, a file-size
     limit, a read-only directory, ...) the ``CheckpointError`` to raise instead of the library's raw
     error: the path, the operating system's reason, and the newest checkpoint that survives."""
+    exc = root_failure(exc)  # a DCP save reports its ranks' errors wrapped in one CheckpointException
     io_failure = isinstance(exc, IO_FAILURES) and not isinstance(exc, CheckpointError)
     root = final.parent
     # The reason first: removing the partial files frees the space a probe would look for.
@@ -293,12 +216,14 @@ def _save_failed(
 class CheckpointWriter:
     """Saves checkpoints into one ``checkpoints/`` directory, synchronously or in the background.
 
-    With ``async_save`` a save copies the model, optimizer and scheduler state to CPU memory,
-    writes the small files, and returns; a background (non-daemon) thread writes the rest. At most
+    With ``async_save`` a save captures the model, optimizer and scheduler state in CPU memory (a
+    copy; for ``dcp``, ``torch.distributed.checkpoint.async_save``'s staging), writes the small files,
+    and returns; background threads write the rest. Both formats and every topology save this way;
+    a sharded policy's ``consolidated`` save gathers the full state to rank 0 before ``save``
+    returns (a collective on the training step's groups) and writes it in the background. At most
     one save is in flight: the next ``save`` first joins the previous one. Call ``wait()`` before
     exiting (or use the writer as a context manager); a background save that failed raises its
-    ``CheckpointError`` at that next join. ``dcp`` saves, and saves of a sharded policy, are always
-    synchronous (their collectives must not run beside the training step's).
+    ``CheckpointError`` at that next join.
 
     ``fmt`` and the ``keep_*_last`` counts come from the validated config (``rl.checkpoint_format``,
     ``rl.keep_model_last >= 1``, ``rl.keep_optim_last >= 1``; ``None`` keeps all).
@@ -321,8 +246,6 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: tuple[int, BaseException] | None = None
         self._last: Path | None = None
-        if async_save and fmt == "dcp":
-            _log.warning("rl.save_async applies to consolidated checkpoints; dcp checkpoints are saved synchronously")
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -347,16 +270,16 @@ class CheckpointWriter:
     ) -> Path:
         """Checkpoint after ``step`` collected batches; returns the final ``iter_*`` path.
 
-        ``tokenizer`` (optional) is stored with the model's HF config under ``hf/`` for export.
+        ``tokenizer`` (optional) is stored beside the weights with the model's HF config, so that a
+        consolidated checkpoint loads as a Hugging Face model directory (``posttrain.checkpoint.hf_dir``).
         For an async save the returned directory appears when the background write completes.
         """
-        from posttrain.distributed.fsdp import is_sharded
-
         self.wait()
         rank, world = rank_and_world()
-        # A sharded policy saves synchronously: gathering its state and the write phase's barriers are
-        # collectives, which must not run in a thread beside the training step's own collectives.
-        background = self.async_save and self.fmt == "consolidated" and not is_sharded(model)
+        background = self.async_save
+        # a collective on the first async save (every rank saves at the same step): the groups of the
+        # background collectives; the model upload's group also carries the write phase's barriers
+        groups = background_groups(2) if background else [None, None]
         final = self.ckpt_root / iter_name(step)
         tmp = self.ckpt_root / broadcast_object(f"{final.name}.tmp-{os.getpid()}")
         try:
@@ -366,9 +289,13 @@ class CheckpointWriter:
                     shutil.rmtree(tmp)
                 tmp.mkdir()
             barrier()
-            snap = _take_snapshot(step, self.fmt, model, optimizer, scheduler, copy=background)
+            snap = take_snapshot(
+                step, self.fmt, model, optimizer, scheduler, copy=background and self.fmt == "consolidated"
+            )
             (tmp / state_file(rank)).write_text(state.to_json(), encoding="utf-8")
-            hf_parts = _write_hf_meta(model, tokenizer, tmp) if rank == 0 else []
+            side = write_side_files(model, tokenizer, tmp, dtype=snap.meta["model_dtype"]) if rank == 0 else []
+            needed = payload_bytes(snap.model) + payload_bytes(snap.optimizer)
+            uploads = _start_uploads(snap, tmp, groups) if background and self.fmt == "dcp" else []
         except BaseException as exc:
             if rank == 0:
                 failed = _save_failed(exc, step, final, tmp)
@@ -381,10 +308,13 @@ class CheckpointWriter:
             tmp,
             final,
             self.ckpt_root,
-            {"state": states, "hf": hf_parts},
+            {"state": states, "hf": side},
             self.keep_model_last,
             self.keep_optim_last,
             world,
+            needed_bytes=needed,
+            uploads=uploads,
+            group=groups[0],
         )
         if not background:
             self._last = _finish_save(job)

@@ -72,6 +72,10 @@ class TeacherConfig(Section):
     """Teacher ranks. More than 1 needs ``grid.backend=ray``; the local backend is TP 1."""
     gpu_memory_utilization: float = Field(0.2, gt=0.0, le=1.0)
     """GPU memory fraction of the vLLM teacher (``backend=vllm``)."""
+    moe_backend: str = Field("auto", min_length=1)
+    """vLLM's MoE expert kernel for a sparse-MoE teacher (``backend=vllm``; vLLM's ``moe_backend``
+    engine argument, e.g. ``triton``); ``auto`` lets vLLM choose. It does not inherit
+    ``rollout.moe_backend``: set both when student and teacher need the same non-default kernel."""
     max_score_attempts: int = Field(2, ge=1)
     """Scoring is all-or-nothing per batch; a failed attempt (an engine error or an invalid payload)
     is retried up to this many attempts in all, then the run stops with the last error."""
@@ -138,6 +142,11 @@ class OPDRLConfig(BaseRLConfig):
         """Always 0: no dynamic sampling, every trajectory trains."""
         return 0
 
+    @property
+    def routing_replay(self) -> Literal["off", "rollout"]:
+        """Always off: OPD refuses MoE routing replay (the spec's constraint)."""
+        return "off"
+
 
 def _grpo_knob(why: str) -> str:
     """The unknown-key hint of a GRPO knob OPD lacks (``{key}`` is filled in by config/loading.py)."""
@@ -165,6 +174,7 @@ GRPO_ONLY_HINTS: Mapping[str, str] = {
     "rl.kl_coeff_clamp": _NO_REFERENCE,
     "rl.ref": _NO_REFERENCE,
     "rl.score_centering": _grpo_knob("score centering is a GRPO correction; OPD has none"),
+    "rl.routing_replay": _grpo_knob("MoE routing replay pins GRPO's clipped-surrogate forwards only; OPD refuses it"),
 }
 
 

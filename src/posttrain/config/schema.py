@@ -25,6 +25,7 @@ from pydantic import Field, field_validator
 from posttrain.config.data import DataConfig
 from posttrain.config.eval import EvalConfig
 from posttrain.config.grid import GridConfig
+from posttrain.config.lora import LoraConfig
 from posttrain.config.section import SEED_BOUND, Section
 
 
@@ -103,6 +104,8 @@ class ModelConfig(Section):
     through the compiled layers too)."""
     logprob_chunk_tokens: int = Field(1024, ge=16)
     """Tokens per chunk when computing per-token logprobs; bounds the fp32 [tokens, vocab] buffer."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """Train low-rank adapters instead of every weight (``config/lora.py``, docs/lora.md); off by default."""
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -168,14 +171,19 @@ class RolloutConfig(Section):
     sleep_level: Literal[1, 2] = 1
     """vLLM sleep level: 1 offloads the weights to CPU memory and drops the KV cache; 2 drops both
     (the next weight sync restores the weights)."""
+    moe_backend: str = Field("auto", min_length=1)
+    """vLLM's MoE expert kernel for a sparse-MoE policy (vLLM's ``moe_backend`` engine argument, e.g.
+    ``triton``); ``auto`` lets vLLM choose. The value must be one the pinned vLLM accepts (vLLM
+    refuses others when the engine starts). ``rl.teacher.moe_backend`` does not follow it."""
 
 
 class OptimizerConfig(Section):
     """The policy optimizer."""
 
     name: Literal["adamw", "fusedadam", "muon"] = "adamw"
-    """``adamw``; ``fusedadam`` (AdamW with the fused kernel on CUDA); ``muon`` (Newton-Schulz for
-    hidden 2-D weights, AdamW for the rest)."""
+    """``adamw``; ``fusedadam`` (AdamW with the fused kernel on CUDA); ``muon`` (``torch.optim.Muon``,
+    Newton-Schulz in bf16, for hidden 2-D weights; fused AdamW for the rest; a Muon state saved
+    before torch.optim.Muon does not resume)."""
     lr: float = Field(2e-5, gt=0.0)
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -300,8 +308,9 @@ class BaseRLConfig(Section):
     """``off``, ``auto`` (newest complete checkpoint of this job) or an ``iter_*`` path."""
     checkpoint_format: Literal["consolidated", "dcp"] = "consolidated"
     """``consolidated``: one safetensors model file plus the optimizer state, written by one process;
-    ``dcp``: torch.distributed.checkpoint directories, every rank writing its shards (large sharded
-    policies)."""
+    for a transformers model the ``iter_*`` directory is a Hugging Face model directory that
+    ``from_pretrained`` and vLLM load as is. ``dcp``: torch.distributed.checkpoint directories, every
+    rank writing its shards (large sharded policies)."""
     keep_model_last: int | None = Field(None, ge=1)
     """Keep the model weights of the newest N checkpoints only (older ones can no longer be resumed
     or exported); ``null`` keeps all."""
@@ -309,8 +318,15 @@ class BaseRLConfig(Section):
     """Keep the optimizer state of the newest N checkpoints only (older ones keep their weights for
     export but can no longer be resumed); ``null`` keeps all."""
     save_async: bool = False
-    """Write consolidated checkpoints in a background thread after a synchronous copy to CPU memory
-    (the loop joins it before the next save and at exit)."""
+    """Write checkpoints in the background after a synchronous copy to CPU memory (the loop joins the
+    save before the next one and at exit; a failed background save raises there). Both formats
+    (``dcp`` through ``torch.distributed.checkpoint.async_save``) and every topology; a sharded
+    policy's ``consolidated`` save still gathers to rank 0 before the step goes on."""
+    checkpoint_verify: Literal["size", "hash"] = "size"
+    """What a resume checks before it uses a checkpoint: ``size``: the manifest (written last, so an
+    unfinished save has none) lists every file, each present with its recorded size (catches a
+    truncated or missing file); ``hash``: also every file's sha256 (reads every byte; catches a
+    same-size corruption). ``posttrain export-hf`` always checks hashes."""
     max_off_policy_steps: int = Field(0, ge=0, le=1)
     """0: on-policy (sample batch k with the weights of update k-1, then train on it). 1: sample
     batch k+1 in the background while batch k trains (step time about max(rollout, update) +
@@ -358,6 +374,8 @@ class BaseRLConfig(Section):
         def score_centering(self) -> ScoreCenteringConfig: ...
         @property
         def effective_min_informative_groups(self) -> int: ...
+        @property
+        def routing_replay(self) -> Literal["off", "rollout"]: ...
 
 
 class GRPORLConfig(BaseRLConfig):
@@ -375,6 +393,11 @@ class GRPORLConfig(BaseRLConfig):
     """The frozen reference."""
     score_centering: ScoreCenteringConfig = Field(default_factory=ScoreCenteringConfig)
     """Score centering."""
+    routing_replay: Literal["off", "rollout"] = "off"
+    """Sparse-MoE policies: ``rollout`` (R3, rollout routing replay) has the vLLM engine return the
+    experts it routed every prompt and completion token to, and pins the policy's training forward,
+    the pi_old pass and the reference forward to them (docs/objectives.md, "Sparse-MoE policies").
+    vLLM-only, clipped surrogate only, fresh runs only; ``off`` routes every forward by itself."""
     min_informative_groups: int | None = Field(None, ge=0)
     """DAPO dynamic sampling: keep drawing until this many groups have non-tied rewards."""
     min_informative_groups_frac: float | None = Field(None, gt=0.0, le=1.0)
@@ -443,3 +466,8 @@ class GRPOConfig(RunConfig):
     """Which member of the family this recipe names (the knobs below carry the semantics)."""
     rl: GRPORLConfig = Field(default_factory=GRPORLConfig)
     """The loop and the objective."""
+
+    def resume_identity_extra(self) -> dict[str, object]:
+        """Routing replay joins the exact-resume identity when it is on (a run started without it
+        cannot resume with it, nor the reverse); off adds nothing, so older checkpoints still match."""
+        return {"rl.routing_replay": "rollout"} if self.rl.routing_replay == "rollout" else {}

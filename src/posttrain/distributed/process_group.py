@@ -75,14 +75,15 @@ def pin_torchrun_gpu(environ: MutableMapping[str, str] | None = None) -> str | N
     current device), so with every GPU visible each rank's colocated engine would land on GPU 0 and
     move the rank's current device there. Must run before CUDA starts in this process (the
     entrypoint calls it before the loop is imported). Outside torchrun (no ``TORCHELASTIC_RUN_ID``),
-    in one process, or when the rank already sees a single device, nothing changes."""
+    in one process, when the rank already sees a single device, or when ``CUDA_VISIBLE_DEVICES`` is
+    set but empty (no GPUs: every rank runs on the CPU), nothing changes."""
     env = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" not in env or env_world_size(env) <= 1:
         return None
     local = int(env.get("LOCAL_RANK", "0") or 0)
     visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if len(visible) == 1:
-        return None
+    if len(visible) == 1 or ("CUDA_VISIBLE_DEVICES" in env and not visible):
+        return None  # one device per rank already, or GPUs hidden on purpose (set but empty)
     if not visible:
         choice = str(local)
     elif local < len(visible):

@@ -28,10 +28,29 @@ def is_rank_zero() -> bool:
     return rank_and_world()[0] == 0
 
 
-def barrier() -> None:
-    """Every rank waits for the others (nothing to wait for in one process). A collective."""
+def barrier(group: Any = None) -> None:
+    """Every rank waits for the others (nothing to wait for in one process). A collective, on the
+    default group or on ``group`` (one of ``background_groups``)."""
     if rank_and_world()[1] > 1:
-        dist.barrier()
+        dist.barrier(group=group)
+
+
+_BACKGROUND_GROUPS: list[Any] = []  # for the default group named first (a re-initialised world starts over)
+
+
+def background_groups(count: int) -> list[Any]:
+    """``count`` gloo groups of every rank for collectives that run in background threads (an
+    asynchronous checkpoint's planning and barriers), each apart from the training step's groups and
+    from the others, so that no two threads' collectives can interleave on one group; ``None``s in
+    one process (the callers then coordinate nothing). Created on the first call, which is a
+    collective (``new_group``): every rank must make the same calls in the same order."""
+    if rank_and_world()[1] == 1:
+        return [None] * count
+    if not _BACKGROUND_GROUPS or _BACKGROUND_GROUPS[0] is not dist.group.WORLD:
+        _BACKGROUND_GROUPS[:] = [dist.group.WORLD]
+    while len(_BACKGROUND_GROUPS) <= count:
+        _BACKGROUND_GROUPS.append(dist.new_group(backend="gloo"))
+    return _BACKGROUND_GROUPS[1 : count + 1]
 
 
 class RankFilter(logging.Filter):

@@ -26,7 +26,7 @@ from posttrain.distributed.world import gather_objects, is_rank_zero, merge_rank
 from posttrain.loop.dynamic_sampling import DrawFn, ScoredGroup, collect_dynamic_for
 from posttrain.metrics.completions import CompletionsLog
 from posttrain.models.chat import render_prompt_ids
-from posttrain.policy.train_batch import SamplerHead, TrainBatch
+from posttrain.policy.train_batch import RoutingTrace, SamplerHead, TrainBatch
 from posttrain.rewards.base import Reward, RewardInput
 from posttrain.rewards.combined import score_parts
 from posttrain.rollout.base import Completion, RolloutBatch, RolloutEngine, SamplingParams
@@ -223,6 +223,9 @@ def to_train_batch(cfg: RunConfig, collected: Collected) -> TrainBatch:
         head = SamplerHead(
             ids=[c.extra["head_ids"] for c in completions], logprobs=[c.extra["head_logprobs"] for c in completions]
         )
+    routing = None
+    if cfg.rl.routing_replay == "rollout":  # the vLLM engine put each completion's experts there
+        routing = RoutingTrace([c.extra["routed_experts"] for c in completions])
     return TrainBatch(
         prompt_ids=[collected.rollout.prompt_token_ids[c.prompt_index] for c in completions],
         completion_ids=[c.token_ids for c in completions],
@@ -231,6 +234,7 @@ def to_train_batch(cfg: RunConfig, collected: Collected) -> TrainBatch:
         sampler_logprobs=[c.logprobs for c in completions],
         group_size=cfg.rl.group_size,
         sampler_head=head,
+        routing=routing,
     )
 
 

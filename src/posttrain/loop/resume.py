@@ -33,6 +33,8 @@ def resume_identity(cfg: RunConfig) -> dict[str, Any]:
         "ref_anchor": anchor_hash(cfg.rl.ref.model_dir, cfg.rl.ref.revision),
         "n_mini": cfg.rl.n_mini,
         **cfg.resume_identity_extra(),  # a config type may pin more (OPD: the teacher and its knobs)
+        # model.lora, only when on (identities of full fine-tuning runs stay as they were)
+        **({"model.lora": cfg.model.lora.model_dump(mode="json")} if cfg.model.lora.enabled else {}),
     }
 
 

@@ -44,6 +44,7 @@ from posttrain.data.build import build_data_source
 from posttrain.distributed.cells import Cells
 from posttrain.distributed.fsdp import PolicyWeights, shard_for_world
 from posttrain.distributed.process_group import join_policy_world, leave_policy_world
+from posttrain.distributed.reference import shard_reference_for_world
 from posttrain.distributed.world import broadcast_object, is_rank_zero
 from posttrain.loop.collect import Roles
 from posttrain.loop.evaluate import build_evaluator
@@ -53,6 +54,7 @@ from posttrain.loop.run_dir import create_run_dir, job_dir, write_resolved_confi
 from posttrain.metrics.sinks import MetricsLogger, OffRankLogger
 from posttrain.metrics.timers import StepTimer, peak_memory_frame
 from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.models.lora import apply_lora, checkpoint_module, trainable_count
 from posttrain.models.precision import resolve_precision
 from posttrain.policy.objective import Objective
 from posttrain.policy.trainer import PolicyTrainer, build_reference
@@ -113,7 +115,8 @@ def start_run(cfg: RunConfig, argv: list[str], objective: Objective) -> Run:
     """Run directory, provenance, sinks, data, reward, model, engine and trainer (data and reward
     first: a malformed file or an unknown reward fails before minutes go into loading a model).
     Launched with ``WORLD_SIZE > 1`` it first joins the policy ranks' process group; the rollout
-    engine and the reference are built from the whole model, then the policy is sharded in place.
+    engine and the reference are built from the whole model, then the policy and the reference are
+    sharded in place.
     ``objective``: what the trainer optimises, chosen by the recipe (``policy/objective.py``)."""
     world = join_policy_world(cfg)
     run_dir, log = open_run_dir(cfg, argv, world)
@@ -122,16 +125,22 @@ def start_run(cfg: RunConfig, argv: list[str], objective: Objective) -> Run:
     reward = get_reward(cfg.rl.reward, timeout_s=cfg.rl.reward_timeout_s, weights=cfg.rl.reward_weights)
     t0 = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(cfg.model)
+    model = apply_lora(model, cfg.model.lora)  # the model itself unless model.lora.rank > 0
     params = sum(p.numel() for p in model.parameters())
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     log.info(
         f"model {cfg.model.name_or_path}: {params / 1e6:.1f}M parameters on {device} in {dtype} "
         f"(loaded in {time.perf_counter() - t0:.1f}s)"
     )
+    if cfg.model.lora.enabled:
+        trainable, total = trainable_count(model)
+        log.info(f"LoRA rank {cfg.model.lora.rank}: {trainable / 1e6:.2f}M of {total / 1e6:.1f}M parameters train")
     engine = build_rollout_engine(cfg, model, tokenizer, log)
     reference = build_reference(model, cfg, objective)
     precision = resolve_precision(cfg.model.dtype, cfg.model.compute_dtype, device)
     dp = shard_for_world(model, cfg.grid.dp_replicate, cfg.grid.dp_shard, compute_dtype=precision.compute_dtype)
+    if not getattr(reference, "runs_policy", False):  # a LoRA reference is the policy itself: sharded already
+        reference = shard_reference_for_world(reference, dp, compute_dtype=precision.compute_dtype)  # like the policy
     roles = Roles(data=data, engine=engine, reward=reward, tokenizer=tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = PolicyTrainer(model, cfg, objective=objective, pad_id=pad_id, ref_model=reference)
@@ -153,14 +162,16 @@ def restore(run: Run) -> int:
         for line in remove_unfinished_saves(job_dir(run.cfg)):
             run.log.info(line)
     skipped: list[tuple[Path, str]] = []
-    path = resolve_resume(run.cfg.rl.resume, job_dir(run.cfg), skipped=skipped)
+    verify = run.cfg.rl.checkpoint_verify  # sizes against the manifest, or sizes and sha256
+    path = resolve_resume(run.cfg.rl.resume, job_dir(run.cfg), skipped=skipped, verify=verify)
     if path is None:
         if run.cfg.rl.resume == "auto":
             run.log.info(describe_fresh_start(skipped))
         return 0
     check_resume_compatible(read_training_state(path), run.identity, run.cfg.rl.n_mini)
     trainer = run.trainer
-    state = load_checkpoint(path, trainer.model, trainer.optimizer, trainer.scheduler)
+    # checkpoint_module: a LoRA policy's checkpoint holds the adapter alone (models/lora.py)
+    state = load_checkpoint(path, checkpoint_module(trainer.model), trainer.optimizer, trainer.scheduler, verify=verify)
     trainer.optimizer_step = state.optimizer_step
     trainer.zero_grad_skips_total = state.zero_grad_skips_total
     run.roles.data.load_state_dict(state.data_state)
@@ -185,7 +196,8 @@ def save(run: Run, writer: CheckpointWriter, step: int) -> None:
         rng=capture_rng(),
         identity=run.identity,
     )
-    path = writer.save(step, trainer.model, trainer.optimizer, trainer.scheduler, state, tokenizer=run.tokenizer)
+    module = checkpoint_module(trainer.model)  # a LoRA policy: the adapter alone
+    path = writer.save(step, module, trainer.optimizer, trainer.scheduler, state, tokenizer=run.tokenizer)
     run.log.info(f"checkpoint: {path}")
 
 

@@ -17,7 +17,7 @@ it. Those are built on the host here, so the forward never asks the device where
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +42,9 @@ class PolicyBatch:
     row_N: Tensor
     col_N: Tensor
     source_N: Tensor
+    seq_start_B: list[int] = field(default_factory=list)
+    """Host-side: the flat ``[R * L]`` offset of each sequence's first token (routing replay lays its
+    per-sequence expert traces out with it, ``policy/routing.py``)."""
 
     @property
     def num_rows(self) -> int:
@@ -175,4 +178,5 @@ def build_policy_batch(
         row_N=put(torch.tensor(rows, dtype=torch.long)),
         col_N=put(torch.tensor(cols, dtype=torch.long)),
         source_N=put(torch.tensor(sources, dtype=torch.long)),
+        seq_start_B=start_B,
     )

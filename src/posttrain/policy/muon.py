@@ -1,10 +1,14 @@
-"""Muon (Newton-Schulz orthogonalised momentum) for hidden Linear weights, AdamW for the rest.
+"""Muon for hidden Linear weights (``torch.optim.Muon``), AdamW for the rest, as one optimizer.
 
 Muon (K. Jordan et al., 2024, "Muon: an optimizer for hidden layers in neural networks") replaces
 the update of a 2-D weight by the nearest semi-orthogonal matrix to its momentum, ``U V^T`` of the
 momentum's SVD, approximated with a few Newton-Schulz iterations. It is only meant for the matrices
 of the transformer body: embeddings, the output head, norms, biases and anything whose 2-D shape is
 not one linear map (fused projections, routers, convolutions) stay on an auxiliary AdamW.
+
+Both halves are torch's own optimizers (``torch.optim.Muon``, ``torch.optim.AdamW``); this module
+only chooses the parameters and puts the two behind one ``torch.optim.Optimizer``, so the trainer,
+the LR scheduler and the checkpoints see one object with one state dict.
 
 The update RMS is matched to AdamW's typical RMS as in Moonshot's "Muon is Scalable for LLM
 Training" (arXiv 2502.16982, §2.2): an orthogonal ``m x n`` matrix has RMS ``1/sqrt(max(m, n))``,
@@ -14,66 +18,45 @@ learning rate serve both groups (a starting point; re-tune lr).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-"""Quintic Newton-Schulz coefficients ``(a, b, c)`` of ``x -> a x + b x^3 + c x^5`` applied to the
-singular values. Chosen (Jordan et al. 2024) for a steep slope at 0 rather than convergence to
-exactly 1: after 5 steps the singular values of the result lie in a band around 1 (about
-[0.68, 1.13] for a well-conditioned input) instead of exactly 1, which works as well for training
-and needs far fewer iterations."""
+TORCH_RMS_MATCH = 0.2
+"""The update RMS that ``torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`` scales to (its
+``0.2 · sqrt(max(m, n))``); another ``rms_match`` is reached through the Muon group's lr."""
+
+# Param-group keys only the hand-written Muon (before torch.optim.Muon) wrote into its state dict.
+_HAND_WRITTEN_GROUP_KEYS = ("use_muon", "rms_match")
 
 # Module-name pieces that mark a Linear whose weight is not one hidden linear map.
 _AMBIGUOUS_NAME_PARTS = ("lm_head", "embed", "head", "score", "classifier", "router", "qkv", "gate_up")
 _ROUTER_LEAF_NAMES = ("gate", "router")
 
 
-def newton_schulz_orthogonalize(G: Tensor, steps: int, *, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Approximate ``U V^T`` of ``G = U S V^T`` with ``steps`` quintic Newton-Schulz iterations.
-
-    ``G`` is ``[..., m, n]`` (leading batch dims allowed). The matrix is first scaled by its
-    Frobenius norm so every singular value is <= 1 (the iteration's basin), and iterated in the
-    wide orientation (``m <= n``, transposing a tall input and transposing back) so the Gram
-    matrix ``X X^T`` is the small one. ``dtype`` is the compute dtype (``torch.bfloat16`` is
-    enough on GPU, float32 by default); the result is returned in ``G``'s dtype.
-    """
-    if G.dim() < 2:
-        raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(G.shape)}")
-    if steps < 1:
-        raise ValueError(f"rl.optimizer.muon_ns_steps must be >= 1, got {steps}")
-    a, b, c = NS_COEFFICIENTS
-    X = G.to(dtype)
-    tall = X.shape[-2] > X.shape[-1]
-    if tall:
-        X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    for _ in range(steps):
-        A = X @ X.mT
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
-    if tall:
-        X = X.mT
-    return X.to(G.dtype)
-
-
 class MuonWithAuxAdamW(torch.optim.Optimizer):
-    """Muon on ``muon_params`` (2-D), AdamW on ``adamw_params``; one optimizer, two param groups.
+    """``torch.optim.Muon`` on ``muon_params`` (2-D), ``torch.optim.AdamW`` on ``adamw_params``; one
+    optimizer whose two param groups (AdamW's first, then Muon's; either may be absent) are the two
+    torch optimizers' own groups, sharing one ``state``.
 
-    Both groups share ``lr`` (schedulers scale both) and ``weight_decay`` (decoupled:
-    ``p *= 1 - lr · wd``). Muon step for a weight ``W`` of shape ``m x n``::
+    Both groups follow the same lr schedule (the scheduler scales each group's lr) and the same
+    decoupled ``weight_decay`` (``p *= 1 - lr · wd``). Muon step for a weight ``W`` of shape
+    ``m x n`` (torch's arithmetic)::
 
-        buf = momentum · buf + grad
-        u   = grad + momentum · buf        (Nesterov)   or  buf (nesterov=False)
-        W  -= lr · rms_match · sqrt(max(m, n)) · NS(u)
+        buf = momentum · buf + (1 - momentum) · grad
+        u   = (1 - momentum) · grad + momentum · buf   (Nesterov)   or  buf (nesterov=False)
+        W  -= lr · rms_match · sqrt(max(m, n)) · NS(u)   with NS in bfloat16
 
-    The AdamW group follows ``torch.optim.AdamW`` exactly (bias-corrected moments, ``eps`` added
-    to ``sqrt(v_hat)``). State round-trips through ``state_dict`` / ``load_state_dict``.
-    Parameters that are DTensors (FSDP2) are orthogonalised on their full matrix (gathered per
-    parameter) and the local shard of the result is applied.
+    ``rms_match`` other than 0.2 multiplies the Muon group's lr by ``rms_match / 0.2`` and divides
+    its weight decay by the same (torch's ``match_rms_adamw`` is fixed at 0.2), so the product
+    ``lr · wd`` and the update are as documented; the group's ``lr`` then reads that multiple.
+    ``fused`` goes to the AdamW half. Parameters that are DTensors (FSDP2 shards) are updated by
+    torch through DTensor dispatch: every product of the iteration costs one bf16 collective (an
+    all-gather of one operand, or an all-reduce of partial sums) and each rank computes its own rows
+    or columns of the ``m x n`` results (the small Gram products of a column-sharded tall matrix are
+    computed on every rank). State round-trips through ``state_dict`` / ``load_state_dict``.
     """
 
     def __init__(
@@ -87,99 +70,72 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         momentum: float = 0.95,
         ns_steps: int = 5,
-        rms_match: float = 0.2,
+        rms_match: float = TORCH_RMS_MATCH,
         nesterov: bool = True,
+        fused: bool | None = None,
     ) -> None:
         muon_list, adamw_list = list(muon_params), list(adamw_params)
         for p in muon_list:
             if p.dim() != 2:
                 raise ValueError(f"Muon takes 2-D weights only; got a parameter of shape {tuple(p.shape)}")
-        groups: list[dict[str, object]] = []
-        if muon_list:
-            groups.append(
-                {
-                    "params": muon_list,
-                    "use_muon": True,
-                    "momentum": momentum,
-                    "ns_steps": ns_steps,
-                    "rms_match": rms_match,
-                    "nesterov": nesterov,
-                }
-            )
-        if adamw_list:
-            groups.append({"params": adamw_list, "use_muon": False, "betas": betas, "eps": eps})
-        if not groups:
+        if not muon_list and not adamw_list:
             raise ValueError("MuonWithAuxAdamW got no parameters at all")
-        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay})
+        if not 1 <= ns_steps < 100:  # torch.optim.Muon refuses 100 or more, but only at its first step
+            raise ValueError(f"rl.optimizer.muon_ns_steps must be in [1, 99], got {ns_steps}")
+        parts: list[torch.optim.Optimizer] = []
+        if adamw_list:
+            adamw = torch.optim.AdamW(adamw_list, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+            parts.append(adamw)
+        if muon_list:
+            # exactly lr and wd at the default 0.2: the product lr * wd is then torch's own
+            ratio = rms_match / TORCH_RMS_MATCH
+            muon = torch.optim.Muon(
+                muon_list,
+                lr=lr * ratio if ratio != 1.0 else lr,
+                weight_decay=weight_decay / ratio if ratio != 1.0 else weight_decay,
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_steps=ns_steps,
+                adjust_lr_fn="match_rms_adamw",
+            )
+            parts.append(muon)
+        self._parts = parts
+        # the same group dicts: a scheduler (or a loaded state) that sets one sets it for its optimizer
+        super().__init__([group for part in parts for group in part.param_groups], {})
+        self._share_groups_and_state()
+
+    def _share_groups_and_state(self) -> None:
+        """Point every part at its slice of this optimizer's groups and at this optimizer's state."""
+        start = 0
+        for part in self._parts:
+            end = start + len(part.param_groups)
+            part.param_groups = self.param_groups[start:end]
+            part.state = self.state
+            start = end
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One update of every parameter that has a gradient."""
+        """One update of every parameter that has a gradient: AdamW's, then Muon's."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            if group["use_muon"]:
-                self._muon_group(group)
-            else:
-                self._adamw_group(group)
+        for part in self._parts:
+            part.step()
         return loss
 
-    def _muon_group(self, group: dict) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            buf = state["momentum_buffer"]
-            buf.mul_(mu).add_(p.grad)
-            update = p.grad.add(buf, alpha=mu) if group["nesterov"] else buf
-            ortho = _orthogonalize_maybe_sharded(update, group["ns_steps"])
-            rows, cols = p.shape
-            scale = group["rms_match"] * math.sqrt(max(rows, cols))
-            if wd != 0:
-                p.mul_(1.0 - lr * wd)
-            p.add_(ortho.to(p.dtype), alpha=-lr * scale)
-
-    def _adamw_group(self, group: dict) -> None:
-        lr, wd = group["lr"], group["weight_decay"]
-        beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] += 1
-            step = float(state["step"])  # a CPU scalar: no device sync
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            exp_avg.lerp_(p.grad, 1.0 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
-            bias1 = 1.0 - beta1**step
-            bias2 = 1.0 - beta2**step
-            denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(group["eps"])
-            if wd != 0:
-                p.mul_(1.0 - lr * wd)
-            p.addcdiv_(exp_avg, denom, value=-lr / bias1)
-
-
-def _orthogonalize_maybe_sharded(update: Tensor, steps: int) -> Tensor:
-    """Newton-Schulz on the full matrix; a DTensor (FSDP2 shard) is gathered, orthogonalised and
-    re-sharded locally (every rank computes the same full result, so no scatter is needed)."""
-    try:
-        from torch.distributed.tensor import DTensor, Replicate
-    except ImportError:  # a torch build without distributed
-        return newton_schulz_orthogonalize(update, steps)
-    if not isinstance(update, DTensor):
-        return newton_schulz_orthogonalize(update, steps)
-    full = newton_schulz_orthogonalize(update.full_tensor(), steps)
-    replicated = DTensor.from_local(full, update.device_mesh, [Replicate()] * update.device_mesh.ndim)
-    return replicated.redistribute(update.device_mesh, update.placements)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state written by this optimizer; refuse the hand-written Muon's state by name."""
+        if any(key in group for group in state_dict["param_groups"] for key in _HAND_WRITTEN_GROUP_KEYS):
+            raise ValueError(
+                "this optimizer state was written by posttrain's hand-written Muon (before torch.optim.Muon): "
+                "its momentum buffers are sums where torch.optim.Muon keeps averages, and its groups come in "
+                "another order, so it cannot resume here. Resume it with the posttrain release that wrote it, "
+                "or start a new run from its weights (posttrain export-hf CHECKPOINT OUT_DIR, then "
+                "model.name_or_path=OUT_DIR)"
+            )
+        super().load_state_dict(state_dict)  # replaces self.param_groups and self.state
+        self._share_groups_and_state()
 
 
 def _is_ambiguous_linear(name: str) -> bool:

@@ -9,9 +9,13 @@ from torch import nn
 
 from posttrain.config.schema import OptimizerConfig
 
+# Devices with torch's fused AdamW kernel (CPU since torch 2.4); Muon's auxiliary AdamW uses it there.
+_FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW (plain or fused) or Muon with auxiliary AdamW, over the trainable parameters."""
+    """AdamW (plain or fused) or ``torch.optim.Muon`` with an auxiliary fused AdamW, over the
+    trainable parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.name == "muon":
         from posttrain.policy.muon import MuonWithAuxAdamW, split_params_for_muon
@@ -27,9 +31,10 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
             momentum=cfg.muon_momentum,
             ns_steps=cfg.muon_ns_steps,
             rms_match=cfg.muon_rms_match,
+            fused=device.type in _FUSED_ADAMW_DEVICES,
         )
-    # The fused kernel exists for CUDA tensors; on CPU `fusedadam` falls back to the foreach path,
-    # which computes the same update.
+    # `fusedadam` takes the fused kernel on CUDA only: on CPU it keeps the foreach path it always had
+    # (torch's CPU fused kernel rounds differently, by an ulp, and CPU runs stay bitwise as they were).
     fused = cfg.name == "fusedadam" and device.type == "cuda"
     return torch.optim.AdamW(
         params,

@@ -48,6 +48,16 @@ class TokenAdvantages:
     values: list[list[float]]
 
 
+@dataclass(frozen=True)
+class RoutingTrace:
+    """MoE routing replay (``rl.routing_replay=rollout``): per completion, the experts the sampler
+    routed each position to, ``[prompt + completion - 1, MoE layers, top_k]`` integers (vLLM's
+    ``routed_experts``: the last sampled token never ran through the model). Laid out onto the
+    trainer's batch layouts by ``policy/routing.py``."""
+
+    experts: list[torch.Tensor]
+
+
 @dataclass
 class TrainBatch:
     """The trajectories of one collected batch, as the trainer needs them.
@@ -69,10 +79,10 @@ class TrainBatch:
     """OPD direct mode."""
     token_advantages: TokenAdvantages | None = None
     """OPD advantage mode."""
+    routing: RoutingTrace | None = None
+    """MoE routing replay (``rl.routing_replay=rollout``)."""
     # Room for the next features, each one more optional payload of the same form (a frozen
     # dataclass of per-completion lists or tensors, which take_rows slices), never loose fields:
-    #   routing: RoutingTrace | None  - MoE routing replay: per completion, per token, the experts the
-    #                                   sampler routed to, replayed in the training forward;
     #   images: ImageInputs | None    - vision-language: per completion, its prompt's pixel values and
     #                                   image grids for the training forward.
 

@@ -27,6 +27,7 @@ from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_mi
 from posttrain.policy.logprobs import check_packing_isolates, completion_logprobs
 from posttrain.policy.objective import Objective, objective_spec
 from posttrain.policy.optim import build_optimizer, build_scheduler
+from posttrain.policy.routing import RoutingReplay
 from posttrain.policy.shared_prefix import GroupedBatch, build_grouped_batch, grouped_completion_logprobs
 from posttrain.policy.train_batch import (
     TrainBatch,
@@ -48,9 +49,15 @@ PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-
 
 def build_reference(policy: nn.Module, cfg: RunConfig, objective: Objective) -> nn.Module | None:
     """A frozen copy of the initial policy (or of the objective's ``reference_dir``, GRPO's
-    ``rl.ref.model_dir``) when the objective needs one; None otherwise."""
+    ``rl.ref.model_dir``) when the objective needs one; None otherwise. A LoRA policy's reference is
+    the policy itself under ``disable_adapter()`` (``models/lora.py``)."""
     if not objective.builds_reference:
         return None
+    if cfg.model.lora.enabled and objective.reference_dir is None:
+        # LoRA: the initial policy IS the base model with the adapter disabled; no copy is built.
+        from posttrain.models.lora import adapter_disabled_reference
+
+        return adapter_disabled_reference(policy)
     ref: nn.Module
     if objective.reference_dir is not None:
         from posttrain.models.loading import load_model_and_tokenizer
@@ -121,6 +128,8 @@ class PolicyTrainer:
         self.zero_grad_skips_total = 0
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         self._share = False  # whether the current batch's prompts run once per group (_decide_sharing)
+        # rl.routing_replay: each micro-batch's forwards pinned to the sampler's experts (policy/routing.py)
+        self.routing = RoutingReplay(cfg.rl.routing_replay == "rollout", model, self.device)
         if cfg.model.compile:
             compile_layers(model)
         if cfg.model.sequence_packing:
@@ -203,7 +212,7 @@ class PolicyTrainer:
 
     def _logprobs(self, model: nn.Module, mb: PolicyBatch | GroupedBatch) -> torch.Tensor:
         temperature, chunk = self.cfg.rl.temperature, self.cfg.model.logprob_chunk_tokens
-        with self._compute(model):
+        with self._compute(model), self.routing.pinned(model):
             if isinstance(mb, GroupedBatch):
                 return grouped_completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk)
             out = completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk)
@@ -229,7 +238,9 @@ class PolicyTrainer:
         self.model.train()  # same mode as the update pass, so the probe compares like with like
         for mini in self._mini_batches(len(batch.completion_ids)):
             for rows in self._micro_batches(batch, mini):
-                logprobs_BT = self._logprobs(self.model, self._model_batch(batch, rows))
+                mb = self._model_batch(batch, rows)
+                self.routing.prepare(batch, rows, mb)
+                logprobs_BT = self._logprobs(self.model, mb)
                 for j, i in enumerate(rows):
                     old[i] = logprobs_BT[j, : len(batch.completion_ids[i])].float()
         self.model.train(was_training)
@@ -240,7 +251,7 @@ class PolicyTrainer:
         from one forward on the plain path (the chunked LM head gathers K + 1 columns)."""
         if not isinstance(pb, PolicyBatch):
             raise TypeError("logprobs at extra ids need the plain PolicyBatch (see _decide_sharing)")
-        with self._compute(self.model):
+        with self._compute(self.model), self.routing.pinned(self.model):
             out = completion_logprobs(
                 self.model,
                 pb,
@@ -288,6 +299,7 @@ class PolicyTrainer:
         if self.ref_model is not None and self.objective.reference_logprobs:
             with torch.no_grad():
                 ref_BT = self._logprobs(self.ref_model, pb)
+            self.dp.reshard(self.ref_model)  # a sharded reference keeps no gathered unit between passes
         sampler_BT = sampler_logprobs_rows(batch, rows, width, self.device)
         token_adv_BT = None
         if batch.token_advantages is not None:
@@ -326,6 +338,7 @@ class PolicyTrainer:
         losses, grad_norms = [], []
         counts = []  # per mini-batch: (sequences, tokens) in the loss, over all ranks
         skips_before = self.zero_grad_skips_total
+        pinned = 0  # positions the training forwards ran pinned to the sampler's routing
         for mini in self._mini_batches(len(batch.completion_ids)):
             in_loss = batch.in_loss_B[mini].to(self.device).float()
             lengths = torch.tensor(
@@ -337,6 +350,7 @@ class PolicyTrainer:
             loss_sum = torch.zeros((), device=self.device)
             for rows in self._micro_batches(batch, mini):
                 pb = self._model_batch(batch, rows)
+                pinned += self.routing.prepare(batch, rows, pb)
                 inputs = self._loss_inputs(batch, rows, pb, old)
                 if probe:
                     self._probe(inputs, step)
@@ -361,6 +375,9 @@ class PolicyTrainer:
         metrics["train/valid_sequence_count"], metrics["train/valid_token_count"] = valid[0], valid[1]
         # 1: every optimizer step of the batch applied; 0: all skipped on an exactly-zero gradient
         metrics["optim/update_outcome"] = 1.0 - (self.zero_grad_skips_total - skips_before) / len(grad_norms)
+        if self.routing.enabled:
+            total = self.dp.sum(torch.tensor([pinned], dtype=torch.float64))  # fp64: exact past 2**24 tokens
+            metrics["train/routing_replay_pinned_tokens"] = float(total[0])
         return metrics
 
     def _optimizer_step(self, step: int) -> float:

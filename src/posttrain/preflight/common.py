@@ -23,6 +23,7 @@ from posttrain.models.precision import precision_conflict
 from posttrain.preflight.eval import check_eval
 from posttrain.preflight.findings import Findings
 from posttrain.preflight.grid import check_grid
+from posttrain.preflight.lora import check_lora
 from posttrain.preflight.paths import check_model_path, check_resume, check_run_dir
 
 DR_GRPO_EPS_LIMIT = 1e-7
@@ -318,6 +319,6 @@ def run_checks(cfg: ConfigT, objective_checks: Sequence[Callable[[ConfigT, Findi
     for check in objective_checks:
         check(cfg, findings)
     shared = (check_grid, check_rollout_backend, check_off_policy, check_lifecycle, check_data_and_reward, check_eval)
-    for check_shared in shared:
+    for check_shared in (*shared, check_lora):
         check_shared(cfg, findings)
     return findings

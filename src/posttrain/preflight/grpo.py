@@ -16,6 +16,7 @@ from posttrain.preflight.common import (
     run_checks,
 )
 from posttrain.preflight.findings import Findings
+from posttrain.preflight.moe import check_routing_replay
 from posttrain.preflight.paths import check_model_path
 
 
@@ -86,4 +87,4 @@ def check_dynamic_sampling(cfg: GRPOConfig, out: Findings) -> None:
 
 def grpo_preflight(cfg: GRPOConfig) -> Findings:
     """Every model-free check of a GRPO run, all problems at once."""
-    return run_checks(cfg, (check_objective, check_dynamic_sampling))
+    return run_checks(cfg, (check_objective, check_dynamic_sampling, check_routing_replay))

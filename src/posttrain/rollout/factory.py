@@ -89,4 +89,7 @@ def build_vllm_engine(
         seed=ro.seed,
         dtype=dtype,
         separate_process=ro.separate_engine_process,
+        lora_rank=cfg.model.lora.rank,
+        moe_backend=ro.moe_backend,
+        return_routed_experts=cfg.rl.routing_replay == "rollout",
     )

@@ -40,8 +40,17 @@ import torch
 
 from posttrain.errors import PosttrainError, TrainingError
 from posttrain.models.chat import eos_token_ids
+from posttrain.models.moe import checkpoint_layout
 from posttrain.rollout.base import RolloutBatch, SamplingParams, check_generate_inputs, generation_stats
 from posttrain.rollout.state import RESUME_HINT, EngineState, records_logprobs
+from posttrain.rollout.vllm_lora import AdapterSync, lora_engine_args
+from posttrain.rollout.vllm_moe import (
+    MOE_BACKEND_DEFAULT,
+    attach_routed_experts,
+    moe_backend_args,
+    repack_cpu_moe,
+    routed_experts_args,
+)
 from posttrain.rollout.vllm_requests import call_completions, call_requests, check_params_for_mode, logprobs_mode_for
 from posttrain.rollout.vllm_runtime import (
     build_llm,
@@ -81,6 +90,9 @@ class VLLMRolloutEngine:
         async_scheduling: bool | None = None,
         attention_backend: str | None = "auto",
         separate_process: bool = False,
+        lora_rank: int = 0,
+        moe_backend: str = MOE_BACKEND_DEFAULT,
+        return_routed_experts: bool = False,
     ) -> None:
         vllm = import_vllm()
         from transformers import AutoTokenizer
@@ -114,6 +126,12 @@ class VLLMRolloutEngine:
         engine_args = _engine_args(
             separate_process, async_scheduling, attention_backend, cuda, self.sleep_mode, dtype=dtype
         )
+        engine_args |= lora_engine_args(lora_rank)  # model.lora: serve the policy's adapter (vllm_lora.py)
+        engine_args |= moe_backend_args(moe_backend)  # rollout.moe_backend: nothing for auto
+        # rl.routing_replay=rollout: each completion carries the experts vLLM routed it to
+        engine_args |= routed_experts_args(return_routed_experts, cuda)
+        self.return_routed_experts = return_routed_experts
+        self._repack_moe = not cuda
         start = time.perf_counter()
         self._llm = self._build(
             vllm,
@@ -136,6 +154,7 @@ class VLLMRolloutEngine:
                 "earlier in this process; start the run in a fresh process"
             )
         self._shared = SharedWeightsSender(self._llm) if separate_process else None
+        self._adapters = AdapterSync(self._llm, self.state) if lora_rank > 0 else None
         self.start_s = time.perf_counter() - start
 
     def _build(self, vllm: Any, **engine_args: Any) -> Any:
@@ -167,6 +186,9 @@ class VLLMRolloutEngine:
         shared = getattr(self, "_shared", None)
         if shared is not None:
             shared.close()  # only now: the engine's worker mapped the buffer until it stopped
+        adapters = getattr(self, "_adapters", None)
+        if adapters is not None:
+            adapters.close()
         del llm
         gc.collect()
 
@@ -202,7 +224,13 @@ class VLLMRolloutEngine:
     def receive_weights(self, weights: PolicyWeights, version: int) -> None:
         """The policy's current weights into the vLLM model (see ``load_weights``): its own tensors
         in one process, the gathered full tensors when it is sharded (a collective every rank's
-        engine calls in step)."""
+        engine calls in step). A LoRA policy sends its adapter alone, as a new LoRA request."""
+        if self._adapters is not None:
+            self.wake_up()
+            self._adapters.sync(weights.module, version)  # poisons the engine on a failure
+            self.last_sync_s = self._adapters.last_sync_s
+            self.state.commit(version)
+            return
         self.load_weights(weights.full_state_dict(), version)
 
     def load_weights(
@@ -211,7 +239,9 @@ class VLLMRolloutEngine:
         """Write the policy's Hugging Face-named tensors into the vLLM model; stamp ``version`` only
         once the whole transfer succeeded. Any failure poisons the engine (mixed weights)."""
         self.state.check_usable()
-        pairs = [(name, _as_engine_dtype(tensor.detach(), self.weight_dtype)) for name, tensor in _pairs(named_tensors)]
+        # stacked expert parameters go per expert when the checkpoint names them so (models/moe.py)
+        named = checkpoint_layout(_pairs(named_tensors), self._checkpoint_names)
+        pairs = [(name, _as_engine_dtype(tensor.detach(), self.weight_dtype)) for name, tensor in named]
         missing = self._checkpoint_names - {name for name, _ in pairs}
         if missing:  # refused before anything is written: the engine keeps its current weights
             raise TrainingError(
@@ -232,6 +262,8 @@ class VLLMRolloutEngine:
                     self._llm.collective_rpc(
                         "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
                     )
+                    if self._repack_moe:  # vLLM's CPU build skips its MoE prepack on reloads (vllm_moe.py)
+                        self._llm.apply_model(repack_cpu_moe)
             self._weights_dropped = False
             self.wake_up()
             self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
@@ -262,9 +294,12 @@ class VLLMRolloutEngine:
         )
         start = time.perf_counter()
         with self._engine_thread_count():
-            outputs = self._llm.generate(prompts, requests, use_tqdm=False)
+            lora = self._adapters.request if self._adapters is not None else None
+            outputs = self._llm.generate(prompts, requests, use_tqdm=False, lora_request=lora)
         gen_s = time.perf_counter() - start
         completions = call_completions(owners, outputs, params.logprobs_topk, record)
+        if self.return_routed_experts:
+            attach_routed_experts(completions, owners, outputs)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         for completion, text in zip(completions, texts):
             completion.text = text

@@ -99,6 +99,7 @@ class SharedWeightsWorker:
 
     _posttrain_views: list[tuple[str, torch.Tensor]]
     reload_weights: Callable[..., None]  # the vLLM worker's own (annotation only: vLLM refuses clashes)
+    model_runner: Any  # the vLLM worker's own, as above
 
     def posttrain_attach_shared(self, payload: bytes, layout: Layout) -> int:
         """Map the trainer's buffer; returns how many tensors it holds."""
@@ -111,3 +112,9 @@ class SharedWeightsWorker:
     def posttrain_reload_shared(self) -> None:
         """Reload the model from the mapped buffer (vLLM maps the names onto its fused layers)."""
         self.reload_weights(weights_iterator=self._posttrain_views, is_checkpoint_format=True)
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():  # vLLM's CPU build skips its MoE prepack on reloads (vllm_moe.py)
+            from posttrain.rollout.vllm_moe import repack_cpu_moe
+
+            repack_cpu_moe(self.model_runner.get_model())

@@ -41,6 +41,7 @@ def build_teacher(cfg: OPDConfig, log: MetricsLogger) -> Teacher:
             max_model_len=t.max_model_len,
             tokenizer=load_tokenizer(path),
             dtype=compute,
+            moe_backend=t.moe_backend,
         )
     else:
         # The teacher's own revision, never the student's model.revision that model_copy would keep.

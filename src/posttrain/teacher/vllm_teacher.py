@@ -37,7 +37,9 @@ class VLLMTeacher:
         tensor_parallel_size: int = 1,
         max_model_len: int | None = None,
         dtype: str = "auto",
+        moe_backend: str = "auto",
     ) -> None:
+        from posttrain.rollout.vllm_moe import moe_backend_args
         from posttrain.rollout.vllm_runtime import build_llm, choose_engine_core_process, import_vllm
 
         vllm = import_vllm()
@@ -57,6 +59,7 @@ class VLLMTeacher:
                 enable_prefix_caching=False,
                 # the rollout engine's choice on CUDA (docs/vllm.md: the device's vLLM has no FlashInfer)
                 **({"attention_backend": "FLASH_ATTN"} if torch.cuda.is_available() else {}),
+                **moe_backend_args(moe_backend),  # rl.teacher.moe_backend: nothing for auto
             )
         self.llm = llm
         self.vllm = vllm

@@ -1,0 +1,66 @@
+"""Packed-bucket weight transfer between an owner and a replica (``distributed/weight_sync.py``),
+over a real gloo pair group in two processes."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from posttrain.distributed import weight_sync
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(7, 5, generator=gen),  # 140 bytes
+        "layer.0.bias": torch.randn(3, generator=gen).to(torch.bfloat16),  # 6 bytes
+        "big": torch.randn(40, generator=gen, dtype=torch.float64),  # 320 bytes: over the bucket alone
+        "scalar": torch.tensor(2.5),  # 0-dim: 4 bytes
+        "empty": torch.empty(0, 4),  # no bytes
+        "steps": torch.arange(6, dtype=torch.int64).reshape(2, 3),  # 48 bytes
+        "strided": torch.randn(4, 6, generator=gen).t(),  # not contiguous: 96 bytes
+    }
+
+
+def test_plan_buckets_hand_values() -> None:
+    meta = weight_sync.describe(_tensors())
+    # bytes in order, padded to 16: 144, 16, 320, 16, 0, 48, 96; buckets of at most 160 bytes, a
+    # larger tensor alone
+    assert weight_sync.plan_buckets(meta, 160) == [[0, 1], [2], [3, 4, 5, 6]]
+    assert weight_sync.plan_buckets(meta, 159) == [[0], [1], [2], [3, 4, 5], [6]]
+    assert weight_sync.plan_buckets(meta, 10**6) == [[0, 1, 2, 3, 4, 5, 6]]
+    assert weight_sync.plan_buckets(meta, 1) == [[0], [1], [2], [3], [4], [5], [6]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _replica(port: int, bucket_bytes: int, queue: mp.Queue) -> None:
+    group = weight_sync.pair_group("127.0.0.1", port, 1, timeout_s=60)
+    got = weight_sync.receive(group, weight_sync.describe(_tensors()), torch.device("cpu"), bucket_bytes)
+    queue.put({k: v.clone() for k, v in got.items()})
+
+
+@pytest.mark.parametrize("bucket_bytes", [160, 1, weight_sync.BUCKET_BYTES])
+def test_send_receive_bitwise_over_gloo(bucket_bytes: int) -> None:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    proc = ctx.Process(target=_replica, args=(port, bucket_bytes, queue))
+    proc.start()
+    group = weight_sync.pair_group("127.0.0.1", port, 0, timeout_s=60)
+    sent = _tensors()
+    weight_sync.send(group, sent, bucket_bytes)
+    got = queue.get(timeout=60)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    assert list(got) == list(sent)
+    for name, tensor in sent.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
