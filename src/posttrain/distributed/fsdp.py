@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -304,6 +305,13 @@ def is_sharded(model: nn.Module) -> bool:
     """Whether any of ``model``'s parameters is a DTensor (an FSDP2-sharded policy): its full state
     exists only through collectives, which every rank must call in step."""
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def checkpoint_view(model: nn.Module, view: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """What a checkpoint saves of ``model``: ``view(model)`` (a smaller module, e.g. LoRA's adapter
+    alone) in one process; the model itself when sharded, whose writer and reader address the whole
+    state by name (the view would hold DTensor shards it cannot gather on its own)."""
+    return model if is_sharded(model) else view(model)
 
 
 def full_state_dict(model: nn.Module, *, to_cpu: bool = True, rank0_only: bool = True) -> dict[str, Tensor]:

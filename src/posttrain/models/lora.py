@@ -250,9 +250,9 @@ def checkpoint_module(model: nn.Module) -> nn.Module:
     """What checkpoints save and load for ``model``: the adapter alone (``AdapterCheckpoint``) for a
     LoRA policy in one process; the model itself otherwise. A sharded LoRA policy saves its whole
     state dict (frozen base included), which the sharded writer and reader handle by name."""
-    if not is_lora(model) or any(hasattr(p, "full_tensor") for p in model.parameters()):
-        return model
-    return AdapterCheckpoint(model)
+    from posttrain.distributed.fsdp import checkpoint_view
+
+    return checkpoint_view(model, AdapterCheckpoint) if is_lora(model) else model
 
 
 def adapter_policy(adapter_dir: Path, base_model_dir: str | None = None, dtype: Any = None) -> Any:
