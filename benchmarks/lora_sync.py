@@ -1,12 +1,16 @@
 """Weight sync to a vLLM engine: full weights (``load_weights``) against a LoRA adapter (``AdapterSync``).
 
-One vLLM engine built with LoRA enabled receives, in turn, the policy's full state dict (what a full
-fine-tuning run sends after every optimizer step) and the adapters of LoRA policies of several ranks
-(what a ``model.lora`` run sends: the adapter written in peft's format, loaded as a new LoRA request,
-the previous one removed). Each is repeated and the median reported, with the bytes moved and the
-times of two short generations after the last sync (the first includes any lazy load of the
-adapter; after the full weights they run without any adapter). Prints a markdown table (``--out``
-also writes it to a file).
+Two vLLM engines, one after the other, each as its kind of run builds it: an engine WITHOUT LoRA
+receives the policy's full state dict (what a full fine-tuning run sends after every optimizer
+step), and is closed; then an engine built with LoRA enabled receives the adapters of LoRA policies
+of several ranks (what a ``model.lora`` run sends: the adapter written in peft's format, loaded as a
+new LoRA request, the previous one removed). A LoRA run never reloads full weights into its engine,
+and vLLM 0.24's GPU loader cannot (reloading a full state dict into a LoRA-enabled Llama engine
+raised ``KeyError: 'embed_tokens.weight'``: the LoRA wrapper renames the modules it resolves), so
+the full-weight arm has an engine of its own. Each sync is repeated and the median reported, with
+the bytes moved and the times of two short generations after the last sync (the first includes any
+lazy load of the adapter; the full-weight engine samples without LoRA kernels at all). Prints a
+markdown table (``--out`` also writes it to a file).
 
     .venv/bin/python benchmarks/lora_sync.py                      # SmolLM2-135M, CPU (fp32)
     .venv/bin/python benchmarks/lora_sync.py --ranks 16 64 --model DIR --dtype bfloat16   # on a GPU
@@ -17,6 +21,7 @@ Results: benchmarks/lora.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -48,6 +53,20 @@ def _generate_s(engine, prompts: list[list[int]]) -> float:
     return time.perf_counter() - start
 
 
+def _engine(model_dir: str, dtype: str, lora_rank: int):
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+
+    return VLLMRolloutEngine(model_dir, dtype=dtype, enforce_eager=True, max_model_len=512, lora_rank=lora_rank)
+
+
+def _close(engine) -> None:
+    """Shut ``engine`` down and give its memory back before the next engine is built."""
+    engine.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def measure(model_dir: str, ranks: list[int], repeats: int, dtype: str, device: str) -> list[dict[str, object]]:
     """One row per transfer kind: median sync seconds, MB moved, generate seconds right after the
     last sync (each row is also printed as soon as it is measured)."""
@@ -55,29 +74,38 @@ def measure(model_dir: str, ranks: list[int], repeats: int, dtype: str, device: 
 
     from posttrain.distributed.fsdp import PolicyWeights
     from posttrain.models.chat import render_prompt_ids
-    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
     torch_dtype = getattr(torch, dtype)
-    engine = VLLMRolloutEngine(model_dir, dtype=dtype, enforce_eager=True, max_model_len=512, lora_rank=max(ranks))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [render_prompt_ids(tokenizer, f"What is {a} + 7?", use_chat_template=True) for a in range(4)]
     rows: list[dict[str, object]] = []
 
-    def record(what: str, syncs: list[float], mb: float) -> None:
+    def record(engine, what: str, syncs: list[float], mb: float) -> None:
         first = _generate_s(engine, prompts)  # includes any lazy load of what was just synced
         row = {"what": what, "sync_s": statistics.median(syncs), "mb": mb, "gen_first_s": first}
         rows.append({**row, "gen_s": _generate_s(engine, prompts)})
         print(rows[-1], flush=True)
 
+    engine = _engine(model_dir, dtype, lora_rank=0)  # what a full fine-tuning run builds
     try:
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device)
         full = {k: v.detach() for k, v in base.state_dict().items()}
-        syncs, version = [], 0
+        syncs = []
         for version in range(1, repeats + 1):
             engine.load_weights(full, version)
             syncs.append(engine.last_sync_s)
-        record("full weights", syncs, sum(t.numel() * t.element_size() for t in full.values()) / 2**20)
+        record(
+            engine,
+            "full weights (engine without LoRA)",
+            syncs,
+            sum(t.numel() * t.element_size() for t in full.values()) / 2**20,
+        )
         del base, full
+    finally:
+        _close(engine)
+    engine = _engine(model_dir, dtype, lora_rank=max(ranks))  # what a model.lora run builds
+    try:
+        version = 0
         for rank in ranks:
             policy = _policy(model_dir, rank, torch_dtype, device)
             syncs = []
@@ -86,9 +114,9 @@ def measure(model_dir: str, ranks: list[int], repeats: int, dtype: str, device: 
                 engine.receive_weights(PolicyWeights(policy), version)
                 syncs.append(engine.last_sync_s)
             assert engine._adapters is not None
-            record(f"LoRA adapter, rank {rank}", syncs, engine._adapters.last_bytes / 2**20)
+            record(engine, f"LoRA adapter, rank {rank}", syncs, engine._adapters.last_bytes / 2**20)
     finally:
-        engine.close()
+        _close(engine)
     return rows
 
 

@@ -19,9 +19,22 @@ fi
 if ! .venv/bin/python -c "import wandb" 2>/dev/null; then
   .venv/bin/python -m pip install -q "wandb>=0.19"
 fi
+# The image tests render and decode images with Pillow: the `vision` extra.
+if ! .venv/bin/python -c "import PIL" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "pillow>=10"
+fi
+# The NIXL weight-sync tests move tensors over NIXL's UCX backend in host memory: the `nixl` extra
+# (the meta package and its CUDA 12 build, which also runs on a CPU; torch and numpy are already here).
+if ! .venv/bin/python -c "import nixl" 2>/dev/null; then
+  .venv/bin/python -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
+fi
 # The LoRA tests train adapters through peft: the `lora` extra.
 if ! .venv/bin/python -c "import peft" 2>/dev/null; then
   .venv/bin/python -m pip install -q "peft>=0.15"
+fi
+# The upload tests copy checkpoints to a local S3-compatible server (moto's server mode) through s3fs.
+if ! .venv/bin/python -c "import s3fs, moto.server" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "s3fs>=2024.6" "moto[server]>=5"
 fi
 echo "== ruff"
 .venv/bin/ruff check src tests benchmarks

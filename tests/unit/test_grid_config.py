@@ -232,10 +232,10 @@ def test_validate_manifest_checks_the_ray_layout_without_ray() -> None:
         "grid.gpu_placement=disaggregated",
         "grid.shapes.policy=[1,2]",
         "grid.shapes.rollout=[3,1]",
-        "rl.weight_sync_transport=nixl",
+        "rl.weight_sync_transport=inprocess",
     )
     assert res.returncode == 1
-    for needle in ("ROLLOUT_REPLICAS must be <= POLICY_RANKS", "rl.weight_sync_transport=nixl"):
+    for needle in ("ROLLOUT_REPLICAS must be <= POLICY_RANKS", "rl.weight_sync_transport=inprocess"):
         assert needle in res.stderr, res.stderr
     assert "| ray" not in res.stderr and "| torch" not in res.stderr  # nothing heavy imported
     ok = _validate("grid.backend=ray", "grid.shapes.policy=[1,2]")

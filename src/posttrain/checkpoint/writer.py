@@ -23,6 +23,7 @@ import os
 import shutil
 import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ from posttrain.checkpoint.layout import (
 from posttrain.checkpoint.manifest import build_manifest, fsync_dir, part_paths, read_manifest, write_manifest
 from posttrain.checkpoint.reader import find_latest_complete, verify_checkpoint
 from posttrain.checkpoint.snapshot import Snapshot, take_snapshot
+from posttrain.checkpoint.upload import UPLOADED_NAME
 from posttrain.distributed.world import background_groups, barrier, broadcast_object, is_rank_zero, rank_and_world
 
 if TYPE_CHECKING:
@@ -156,6 +158,8 @@ class _Job:
     """An async dcp save's uploads in flight (``_start_uploads``)."""
     group: Any = None
     """The process group of the write phase's barriers (None: the default group; one process: none)."""
+    on_published: Callable[[Path], None] | None = None
+    """``rl.upload``: called with the published checkpoint before retention (``checkpoint/upload.py``)."""
 
 
 def _finish_save(job: _Job) -> Path:
@@ -169,8 +173,14 @@ def _finish_save(job: _Job) -> Path:
             write_manifest(job.tmp, build_manifest(job.tmp, parts=parts, meta=meta))
             _publish(job.tmp, job.final)
             write_latest_pointer(job.root, job.final)
+            if job.on_published is not None:
+                job.on_published(job.final)
             apply_retention(
-                job.root, keep_model_last=job.keep_model_last, keep_optim_last=job.keep_optim_last, protect=job.final
+                job.root,
+                keep_model_last=job.keep_model_last,
+                keep_optim_last=job.keep_optim_last,
+                protect=job.final,
+                require_uploaded=job.on_published is not None,
             )
     except BaseException as exc:
         if zero:
@@ -237,8 +247,12 @@ class CheckpointWriter:
         keep_model_last: int | None = None,
         keep_optim_last: int | None = None,
         async_save: bool = False,
+        on_published: Callable[[Path], None] | None = None,
     ) -> None:
+        """``on_published`` (``rl.upload``, rank 0): called with each checkpoint once it is published;
+        retention then never prunes a checkpoint without ``.uploaded`` (its upload has not completed)."""
         self.ckpt_root = Path(ckpt_root)
+        self.on_published = on_published
         self.fmt: Format = fmt
         self.keep_model_last = keep_model_last
         self.keep_optim_last = keep_optim_last
@@ -315,6 +329,7 @@ class CheckpointWriter:
             needed_bytes=needed,
             uploads=uploads,
             group=groups[0],
+            on_published=self.on_published,
         )
         if not background:
             self._last = _finish_save(job)
@@ -349,10 +364,16 @@ class CheckpointWriter:
 
 
 def apply_retention(
-    ckpt_root: Path, *, keep_model_last: int | None, keep_optim_last: int | None, protect: Path | None = None
+    ckpt_root: Path,
+    *,
+    keep_model_last: int | None,
+    keep_optim_last: int | None,
+    protect: Path | None = None,
+    require_uploaded: bool = False,
 ) -> None:
     """Drop model weights beyond the newest ``keep_model_last`` checkpoints, optimizer state beyond the
-    newest ``keep_optim_last``; ``protect`` (the one just written) is never touched.
+    newest ``keep_optim_last``; ``protect`` (the one just written) is never touched, nor (with
+    ``require_uploaded``, ``rl.upload``) one without ``.uploaded``: its upload is in flight or failed.
 
     A pruned checkpoint keeps a valid manifest that records what was removed (``pruned``), so it
     is not mistaken for a corrupt one; it can no longer be resumed (and without weights not
@@ -370,6 +391,9 @@ def apply_retention(
         if keep_optim_last is not None and rank >= keep_optim_last:
             drop["optimizer"] = f"rl.keep_optim_last={keep_optim_last}"
         rank += 1
+        if drop and require_uploaded and not (path / UPLOADED_NAME).is_file():
+            _log.info("retention: keeping %s whole: its upload has not completed (no %s)", path, UPLOADED_NAME)
+            continue
         if drop and (protect is None or path.resolve() != Path(protect).resolve()):
             _prune(path, drop)
 

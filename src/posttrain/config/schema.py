@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from posttrain.config.data import DataConfig
+from posttrain.config.data_pool import DataPoolConfig
 from posttrain.config.eval import EvalConfig
 from posttrain.config.grid import GridConfig
 from posttrain.config.lora import LoraConfig
 from posttrain.config.section import SEED_BOUND, Section
+from posttrain.config.upload import UploadConfig
 
 
 class JobConfig(Section):
@@ -300,6 +302,8 @@ class BaseRLConfig(Section):
     """Evaluation during training on a fixed prompt set (``config/eval.py``)."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """The optimizer."""
+    data_pool: DataPoolConfig = Field(default_factory=DataPoolConfig)
+    """How large per-sample trajectory fields move between Ray actors (``config/data_pool.py``)."""
     recipe_guard_severity: Literal["warn", "error"] = "warn"
     """Whether recipe-hygiene hazards warn or refuse the config."""
     save_every: int = Field(0, ge=0)
@@ -327,6 +331,8 @@ class BaseRLConfig(Section):
     unfinished save has none) lists every file, each present with its recorded size (catches a
     truncated or missing file); ``hash``: also every file's sha256 (reads every byte; catches a
     same-size corruption). ``posttrain export-hf`` always checks hashes."""
+    upload: UploadConfig = Field(default_factory=UploadConfig)
+    """Copy completed checkpoints to an archive in the background (``config/upload.py``, docs/checkpoints.md)."""
     max_off_policy_steps: int = Field(0, ge=0, le=1)
     """0: on-policy (sample batch k with the weights of update k-1, then train on it). 1: sample
     batch k+1 in the background while batch k trains (step time about max(rollout, update) +
@@ -337,8 +343,20 @@ class BaseRLConfig(Section):
     """How new policy weights reach the rollout engine: ``inprocess`` (colocated: the engine shares or
     copies the policy in its own process), ``object_store`` (disaggregated Ray replicas: the full
     state dict through Ray's object store), ``nccl`` (disaggregated replicas: broadcasts in a process
-    group of the policy rank and its replica; NCCL on GPUs, gloo on CPU), ``nixl`` (not implemented
-    yet)."""
+    group of the policy rank and its replica; NCCL on GPUs, gloo on CPU), ``nixl`` (disaggregated
+    replicas: one-sided NIXL writes of packed buckets into a buffer the replica registered, over
+    NIXL's UCX backend; ``distributed/nixl_sync.py``, the ``nixl`` extra)."""
+    weight_sync_bucket_bytes: int = Field(256 * 2**20, ge=1)
+    """Bytes per packed bucket of the ``nccl`` and ``nixl`` transports (each tensor at a 16-byte-aligned
+    offset; a larger tensor goes alone). Larger: fewer calls; smaller: less extra memory (two
+    buckets in flight on the policy rank)."""
+    weight_sync_probe: bool = True
+    """``nixl``: before a version is stamped, the replica re-reads every landed bucket and compares its
+    checksum with the one the policy rank computed when it packed it; a mismatch poisons the
+    replica. ``false`` skips the re-read (one pass over the weights on each side)."""
+    weight_sync_min_bandwidth_gbps: float = Field(1.0, gt=0.0)
+    """``nixl``: the slowest rate (GB/s) a bucket may move at: a bucket of B bytes that has not landed
+    within 10 s + B / rate is a broken-off transfer (the replica is poisoned, no version stamped)."""
 
     @property
     def mini_batch(self) -> int:

@@ -16,10 +16,13 @@ the ordinary loop, exactly as a torchrun process would.
   rank's request arrives first, and a checkpoint restores each rank's stream. After each optimizer
   step every rank gathers the full weights (a collective); the lowest rank using a replica sends
   them, through the Ray object store (``rl.weight_sync_transport=object_store``) or by broadcasts in
-  a process group of the two (``nccl``: NCCL between GPUs, gloo on CPU; ``distributed/weight_sync.py``),
+  a process group of the two (``nccl``: NCCL between GPUs, gloo on CPU; ``distributed/weight_sync.py``)
+  or by NIXL writes into a buffer the replica registered (``nixl``; ``distributed/nixl_sync.py``),
   and all ranks wait at a barrier, so nobody samples from a replica before its new version is stamped.
   A failed or partial transfer poisons the replica: it refuses to sample, and the run stops with a
-  message to resume from the last checkpoint.
+  message to resume from the last checkpoint. With ``rl.data_pool.data_plane=ray_nixl_pool`` a
+  replica puts its completions' large fields into the object store and returns handles
+  (``rollout/data_pool.py``); the driver logs at start that NIXL is not used for them.
 
 Any actor failure ends the run with that actor's error: the driver waits on every policy actor,
 and the first one to fail (or die) makes it kill the others, which may be blocked in a collective.
@@ -29,12 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from posttrain.config.schema import RunConfig
 from posttrain.errors import TrainingError
 from posttrain.importing import import_object
+from posttrain.rollout.data_pool import place_batch, ray_put, start_line, uses_pool
 from posttrain.rollout.remote import NAMESPACE, free_port
 from posttrain.rollout.state import EngineState
 
@@ -80,17 +85,22 @@ class RolloutActor:
     def __init__(self, tree: dict[str, Any], config_class: str) -> None:
         from posttrain.rollout.replica import build_replica
 
-        self.replica = build_replica(_config_of(config_class, tree))
+        cfg = _config_of(config_class, tree)
+        self.replica = build_replica(cfg)
+        self.pooled = uses_pool(cfg)  # rl.data_pool.data_plane=ray_nixl_pool: completions by handle
         # the call counter here only numbers generate calls for EXIT_AFTER_ENV; the sampling streams
         # (one per policy rank) live in the replica
         self.state = EngineState("the rollout replica cannot sample: {reason}")
         self.group: Any = None  # the weight-sync pair group (nccl transport), joined on first sync
+        self.nixl: Any = None  # the nixl transport's receiver (distributed/nixl_sync.py), made on first sync
 
     def generate(self, cell: int, prompt_token_ids: list[list[int]], n: int, params: Any) -> Any:
         self.state.check_usable()
         if os.environ.get(EXIT_AFTER_ENV) == str(self.state.next_call() + 1):
             os._exit(1)  # the test's stand-in for a killed or crashed rollout process
-        return self.replica.generate(cell, prompt_token_ids, n, params)
+        batch = self.replica.generate(cell, prompt_token_ids, n, params)
+        # pooled: each completion's large fields put once here (this actor owns them), handles returned
+        return place_batch(batch, ray_put) if self.pooled else batch
 
     def load_weights(self, named_tensors: dict[str, Any], version: int) -> int:
         """Copy the full weights in; the version is stamped only once every tensor was copied."""
@@ -109,13 +119,34 @@ class RolloutActor:
         self.group = pair_group(host, port, 1, timeout_s=timeout_s)
         return True
 
-    def receive_broadcast(self, meta: list[Any], version: int) -> int:
+    def receive_broadcast(self, meta: list[Any], version: int, bucket_bytes: int = 256 * 2**20) -> int:
         """Receive the owner's broadcasts (``distributed/weight_sync.py``), then load them as one version.
         A transfer that breaks off poisons the replica: the stream between the two is out of step."""
         from posttrain.distributed.weight_sync import receive
 
         try:
-            tensors = receive(self.group, meta, self.replica.device)
+            tensors = receive(self.group, meta, self.replica.device, bucket_bytes)
+        except Exception as err:
+            self.state.poison(f"the weight transfer of version {version} broke off ({err})")
+            raise
+        return self.load_weights(tensors, version)
+
+    def prepare_nixl(self, meta: list[Any], bucket_bytes: int) -> Any:
+        """``nixl`` transport: check that ``meta`` covers this replica's model (before any byte of the
+        version moves; nothing is poisoned when it does not), then say where the owner writes."""
+        from posttrain.distributed.nixl_sync import NixlReceiver
+
+        self.state.check_usable()
+        if self.nixl is None:
+            self.nixl = NixlReceiver()
+        return self.nixl.prepare(meta, self.replica.device, bucket_bytes, self.replica.weight_layout())
+
+    def receive_nixl(self, meta: list[Any], version: int, min_bandwidth_gbps: float, probe: bool) -> int:
+        """Wait for every bucket the owner writes (``prepare_nixl`` first), then load them as one
+        version. A bucket that does not land in time, or (probe) lands with other bytes, poisons the
+        replica: a late write of this version could still change its buffer."""
+        try:
+            tensors = self.nixl.wait(meta, version, min_bandwidth_gbps=min_bandwidth_gbps, probe=probe)
         except Exception as err:
             self.state.poison(f"the weight transfer of version {version} broke off ({err})")
             raise
@@ -134,6 +165,9 @@ class RolloutActor:
 
         close_group(self.group)
         self.group = None
+        if self.nixl is not None:
+            self.nixl.close()
+            self.nixl = None
         self.replica.close()
         return True
 
@@ -211,6 +245,8 @@ def train_with_ray(cfg: RunConfig, argv: list[str], config_class: str, train: st
     remote_rollout = grid.gpu_placement == "disaggregated"
     bundles = ranks + (replicas if remote_rollout else 0)
     started = _connect(cfg, bundles)
+    if uses_pool(cfg):
+        print(start_line(cfg), file=sys.stderr, flush=True)
     gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
     unit = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
     pg = placement_group([dict(unit) for _ in range(bundles)], strategy="PACK")

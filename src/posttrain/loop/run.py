@@ -39,6 +39,7 @@ from posttrain.checkpoint import (
 )
 from posttrain.checkpoint.failed_saves import remove_unfinished_saves
 from posttrain.checkpoint.reader import describe_fresh_start
+from posttrain.checkpoint.upload import fetch_from_destination, start_uploads
 from posttrain.config.schema import RunConfig
 from posttrain.data.build import build_data_source
 from posttrain.distributed.cells import Cells
@@ -164,6 +165,8 @@ def restore(run: Run) -> int:
     skipped: list[tuple[Path, str]] = []
     verify = run.cfg.rl.checkpoint_verify  # sizes against the manifest, or sizes and sha256
     path = resolve_resume(run.cfg.rl.resume, job_dir(run.cfg), skipped=skipped, verify=verify)
+    if run.cfg.rl.resume == "auto" and run.cfg.rl.upload.enabled:  # the archive may hold a newer one
+        path = fetch_from_destination(run.cfg, job_dir(run.cfg), path, run.log.info)
     if path is None:
         if run.cfg.rl.resume == "auto":
             run.log.info(describe_fresh_start(skipped))
@@ -212,12 +215,14 @@ def run_loop(run: Run, make_batch: MakeBatch, headline: str, close_first: Sequen
     cfg, log, trainer = run.cfg, run.log, run.trainer
     rl = cfg.rl
     main = is_rank_zero()  # asked now: once the ranks have left their group, every rank reads as rank 0
+    keep = {"keep_model_last": rl.keep_model_last, "keep_optim_last": rl.keep_optim_last}
+    uploads = start_uploads(cfg, run.run_dir, log.info, **keep)  # None unless rl.upload.enabled
     writer = CheckpointWriter(
         run.run_dir / "checkpoints",
         fmt=rl.checkpoint_format,
-        keep_model_last=rl.keep_model_last,
-        keep_optim_last=rl.keep_optim_last,
+        **keep,
         async_save=rl.save_async,
+        on_published=uploads.on_published if uploads is not None else None,
     )
     finished = False
     try:
@@ -249,13 +254,20 @@ def run_loop(run: Run, make_batch: MakeBatch, headline: str, close_first: Sequen
                 stopping = stop.should_stop()  # a signal on any rank stops every rank after this step
                 if stopping or (rl.save_every and (step % rl.save_every == 0 or step == rl.max_steps)):
                     save(run, writer, step)
+                if uploads is not None:
+                    uploads.check()  # rl.upload.required: an upload that failed for good stops every rank here
                 if stopping:
                     log.info(
                         f"{stop.signal_name}: stopped after step {step} with a checkpoint; resume with rl.resume=auto"
                     )
                     break
+            if uploads is not None:
+                writer.wait()  # the last save is published, then its upload waited for (logged while the log is open)
+                uploads.finish()
         finished = True
     finally:
+        if uploads is not None:
+            uploads.close()
         try:
             close_engines(*close_first, run.roles.engine)
         finally:

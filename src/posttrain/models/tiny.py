@@ -1,8 +1,9 @@
-"""Tiny random Llama and Qwen3-MoE models with a real tokenizer, for tests and smoke runs (nothing downloaded)."""
+"""Tiny random Llama, Qwen3-MoE and Qwen3-VL models with a real tokenizer, for tests (nothing downloaded)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 def make_tiny_model(
@@ -112,3 +113,99 @@ def make_tiny_moe_model(
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def make_tiny_vl_model(
+    out_dir: str,
+    tokenizer_dir: str,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    vision_hidden_size: int = 32,
+    vision_depth: int = 2,
+    patch_size: int = 16,
+    min_pixels: int = 32 * 32,
+    max_pixels: int = 64 * 64,
+    seed: int = 0,
+) -> str:
+    """Save a randomly initialised ``Qwen3VLForConditionalGeneration`` (fp32, tied head, head size 32)
+    with ``tokenizer_dir``'s tokenizer plus the four vision tokens and ``VL_CHAT_TEMPLATE``, and a
+    Qwen2-VL image processor config (``preprocessor_config.json``; images resized to between
+    ``min_pixels`` and ``max_pixels``, so a test image is a few patches) into ``out_dir``.
+    ``posttrain.models.vision.VisionProcessor.from_dir(out_dir)`` renders prompts for it."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from posttrain.models.vision import VISION_TOKENS, VL_CHAT_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    ids: Any = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    start, end, image, video = ids
+    head_dim = hidden_size // num_heads
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": 1,
+        "head_dim": head_dim,
+        "max_position_embeddings": 4096,
+        # M-RoPE splits the rotary half-dimension into (time, height, width) sections.
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope(head_dim)},
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": True,
+    }
+    vision = {
+        "depth": vision_depth,
+        "hidden_size": vision_hidden_size,
+        "intermediate_size": 2 * vision_hidden_size,
+        "num_heads": 2,
+        "out_hidden_size": hidden_size,
+        "patch_size": patch_size,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0],
+    }
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=image,
+        video_token_id=video,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=patch_size,
+        merge_size=2,
+        temporal_patch_size=2,
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+    )
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    image_processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def _mrope(head_dim: int) -> list[int]:
+    """Qwen3-VL's (t, h, w) rotary sections for ``head_dim``, in its 24:20:20 proportion."""
+    half = head_dim // 2
+    h = w = half * 20 // 64
+    return [half - h - w, h, w]

@@ -14,16 +14,17 @@ _FUSED_ADAMW_DEVICES = ("cuda", "cpu")
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW (plain or fused) or ``torch.optim.Muon`` with an auxiliary fused AdamW, over the
-    trainable parameters."""
+    """AdamW (plain or fused) or ``torch.optim.Muon`` with an auxiliary fused AdamW (and per-expert
+    Muon on declared sparse-MoE expert stacks), over the trainable parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.name == "muon":
-        from posttrain.policy.muon import MuonWithAuxAdamW, split_params_for_muon
+        from posttrain.policy.muon import MuonWithAuxAdamW, muon_param_split
 
-        muon_params, adamw_params = split_params_for_muon(model)
+        split = muon_param_split(model)
         return MuonWithAuxAdamW(
-            muon_params=muon_params,
-            adamw_params=adamw_params,
+            muon_params=split.muon,
+            adamw_params=split.adamw,
+            expert_stacks=split.experts,
             lr=cfg.lr,
             betas=cfg.betas,
             eps=cfg.eps,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.errors import TrainingError
+from posttrain.policy.images import ImageInputs
 
 # Teacher logprob written at padding positions: finite, so nothing non-finite exists even where masked.
 PAD_LOGPROB = -30.0
@@ -81,10 +82,11 @@ class TrainBatch:
     """OPD advantage mode."""
     routing: RoutingTrace | None = None
     """MoE routing replay (``rl.routing_replay=rollout``)."""
+    images: ImageInputs | None = None
+    """Vision-language prompts (``policy/images.py``): per completion, its prompt's pixel values and
+    image grids for the training forward."""
     # Room for the next features, each one more optional payload of the same form (a frozen
-    # dataclass of per-completion lists or tensors, which take_rows slices), never loose fields:
-    #   images: ImageInputs | None    - vision-language: per completion, its prompt's pixel values and
-    #                                   image grids for the training forward.
+    # dataclass of per-completion lists or tensors, which take_rows slices), never loose fields.
 
 
 def pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:

@@ -24,6 +24,7 @@ from posttrain.distributed.fsdp import DataParallel, first_nonfinite, largest_en
 from posttrain.errors import PosttrainError, TrainingError
 from posttrain.models.precision import compute_autocast, dtype_name, resolve_precision
 from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_micro_batches
+from posttrain.policy.images import SHARED_PROMPT_REFUSAL, ImageInputs, image_layout, row_images, vl_completion_logprobs
 from posttrain.policy.logprobs import check_packing_isolates, completion_logprobs
 from posttrain.policy.objective import Objective, objective_spec
 from posttrain.policy.optim import build_optimizer, build_scheduler
@@ -151,7 +152,9 @@ class PolicyTrainer:
         cells decide, so every rank takes the same forward path (the shared-prefix path runs other
         FSDP collectives; a rank-local decision could desynchronise them)."""
         share = self.cfg.model.share_prompt_prefix
-        if self.objective.plain_path_only or share is False:
+        if batch.images is not None and share is True:
+            raise TrainingError(f"model.share_prompt_prefix=true: {SHARED_PROMPT_REFUSAL}")
+        if self.objective.plain_path_only or share is False or batch.images is not None:
             self._share = False
         elif share is True:
             self._share = True
@@ -210,9 +213,16 @@ class PolicyTrainer:
             return nullcontext()
         return mixed_forward(model, compute_autocast(self.precision, self.device))
 
-    def _logprobs(self, model: nn.Module, mb: PolicyBatch | GroupedBatch) -> torch.Tensor:
+    def _logprobs(
+        self, model: nn.Module, mb: PolicyBatch | GroupedBatch, images: ImageInputs | None = None
+    ) -> torch.Tensor:
         temperature, chunk = self.cfg.rl.temperature, self.cfg.model.logprob_chunk_tokens
         with self._compute(model), self.routing.pinned(model):
+            if images is not None and isinstance(mb, PolicyBatch):  # vision-language rows: policy/images.py
+                pad, merge = image_layout(model)
+                return vl_completion_logprobs(
+                    model, mb, images, image_pad_id=pad, merge_size=merge, temperature=temperature, chunk_tokens=chunk
+                )
             if isinstance(mb, GroupedBatch):
                 return grouped_completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk)
             out = completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk)
@@ -240,7 +250,7 @@ class PolicyTrainer:
             for rows in self._micro_batches(batch, mini):
                 mb = self._model_batch(batch, rows)
                 self.routing.prepare(batch, rows, mb)
-                logprobs_BT = self._logprobs(self.model, mb)
+                logprobs_BT = self._logprobs(self.model, mb, row_images(batch.images, rows))
                 for j, i in enumerate(rows):
                     old[i] = logprobs_BT[j, : len(batch.completion_ids[i])].float()
         self.model.train(was_training)
@@ -270,6 +280,8 @@ class PolicyTrainer:
         head and the policy's logprobs there (score centering), or the teacher's top-k logprobs and
         the student's at the same ids (direct distillation)."""
         width = pb.completion_ids_BT.shape[1]
+        if batch.images is not None and (self.objective.sampler_head or self.objective.teacher_topk):
+            raise TrainingError("score centering and direct distillation do not take image prompts yet")
         if self.objective.sampler_head:
             ids_BTK, sampler_BTK = sampler_head_tensors(batch, rows, width, self.device)
             # padding ids gather id 0; they stay invalid through ids_BTK
@@ -284,7 +296,7 @@ class PolicyTrainer:
             teacher_ids_BTK, teacher_BTK = teacher_topk_tensors(batch, rows, width, self.device)
             logprobs_BT, student_BTK = self._logprobs_at(pb, teacher_ids_BTK)
             return logprobs_BT, {"teacher_topk_logprobs_BTK": teacher_BTK, "student_topk_logprobs_BTK": student_BTK}
-        return self._logprobs(self.model, pb), {}
+        return self._logprobs(self.model, pb, row_images(batch.images, rows)), {}
 
     def _loss_inputs(
         self, batch: TrainBatch, rows: list[int], pb: PolicyBatch | GroupedBatch, old: list[torch.Tensor] | None
@@ -298,7 +310,7 @@ class PolicyTrainer:
         ref_BT = None
         if self.ref_model is not None and self.objective.reference_logprobs:
             with torch.no_grad():
-                ref_BT = self._logprobs(self.ref_model, pb)
+                ref_BT = self._logprobs(self.ref_model, pb, row_images(batch.images, rows))
             self.dp.reshard(self.ref_model)  # a sharded reference keeps no gathered unit between passes
         sampler_BT = sampler_logprobs_rows(batch, rows, width, self.device)
         token_adv_BT = None

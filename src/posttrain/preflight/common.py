@@ -15,6 +15,7 @@ import importlib.util
 import re
 import string
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 from posttrain.config.loading import shown
@@ -25,6 +26,8 @@ from posttrain.preflight.findings import Findings
 from posttrain.preflight.grid import check_grid
 from posttrain.preflight.lora import check_lora
 from posttrain.preflight.paths import check_model_path, check_resume, check_run_dir
+from posttrain.preflight.upload import check_upload
+from posttrain.preflight.vision import check_vision_policy
 
 DR_GRPO_EPS_LIMIT = 1e-7
 # What every RewardInput carries whatever the data source (the rollout fills them): a reward may
@@ -32,6 +35,8 @@ DR_GRPO_EPS_LIMIT = 1e-7
 ALWAYS_PROVIDED = frozenset({"prompt", "completion", "finish_reason", "metadata"})
 # Largest width or precision the arithmetic template may ask for: formatting it must stay cheap.
 TEMPLATE_MAX_WIDTH = 1000
+# The native builds the nixl meta package loads (its Python API alone cannot move anything).
+NIXL_BUILDS = ("nixl_cu12", "nixl_cu13", "nixl_rocm")
 
 ConfigT = TypeVar("ConfigT", bound=RunConfig)
 
@@ -183,12 +188,33 @@ def check_weight_sync(cfg: RunConfig, out: Findings) -> None:
             "rl.weight_sync_transport=inprocess cannot reach them; use object_store"
         )
     elif transport == "nixl" and importlib.util.find_spec("nixl") is None:
-        out.errors.append("rl.weight_sync_transport=nixl but the nixl library is not installed (import nixl fails)")
-    elif transport == "nixl":
         out.errors.append(
-            "rl.weight_sync_transport=nixl is not implemented yet; use nccl (broadcasts between the policy rank "
-            "and its replica) or object_store (the full state dict through Ray's object store)"
+            "rl.weight_sync_transport=nixl but the nixl library is not installed (import nixl fails): "
+            "pip install 'posttrain[nixl]', or use nccl or object_store"
         )
+    elif transport == "nixl" and not any(importlib.util.find_spec(m) for m in NIXL_BUILDS):
+        out.errors.append(
+            "rl.weight_sync_transport=nixl but the nixl package has no native build installed (one of "
+            "nixl-cu12, nixl-cu13, nixl-rocm): pip install 'posttrain[nixl]'"
+        )
+    elif transport == "nixl" and (major := _torch_cuda_major()) and importlib.util.find_spec(f"nixl_cu{major}") is None:
+        # the nixl meta package loads the build of the CUDA torch was built for, and only that one
+        out.errors.append(
+            f"rl.weight_sync_transport=nixl: torch is built for CUDA {major} but nixl-cu{major} is not installed: "
+            f"pip install --no-deps nixl==1.5.1 nixl-cu{major}==1.5.1"
+        )
+
+
+def _torch_cuda_major() -> int | None:
+    """The CUDA major version torch was built for, read from its ``version.py`` without importing it
+    (``None``: a CPU or ROCm build, or torch not found)."""
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / "version.py"
+        found = re.search(r"^cuda\b[^=]*=\s*'(\d+)", path.read_text(), re.M) if path.is_file() else None
+        if found:
+            return int(found.group(1))
+    return None
 
 
 def check_off_policy(cfg: RunConfig, out: Findings) -> None:
@@ -300,9 +326,10 @@ def check_arithmetic_template(cfg: RunConfig, out: Findings) -> None:
 
 
 def check_lifecycle(cfg: RunConfig, out: Findings) -> None:
-    """Run naming, the run directory and resume (``preflight/paths.py``)."""
+    """Run naming, the run directory, resume (``preflight/paths.py``) and uploads (``preflight/upload.py``)."""
     check_run_dir(cfg, out)
     check_resume(cfg, out)
+    check_upload(cfg, out)
     if cfg.rl.data_seed_follows_rollout_seed and cfg.rollout.seed is None:
         out.errors.append("rl.data_seed_follows_rollout_seed=true needs an integer rollout.seed")
 
@@ -312,6 +339,7 @@ def run_checks(cfg: ConfigT, objective_checks: Sequence[Callable[[ConfigT, Findi
     checks, all problems at once."""
     findings = Findings()
     check_model_path("model.name_or_path", cfg.model.name_or_path, findings, revision=cfg.model.revision)
+    check_vision_policy(cfg, findings)
     conflict = precision_conflict(cfg.model.dtype, cfg.model.compute_dtype)  # contradictory dtypes, by name
     if conflict is not None:
         findings.errors.append(conflict)

@@ -51,6 +51,11 @@ def _check_backend(cfg: RunConfig, out: Findings) -> None:
         )
     if grid.gpu_placement == "disaggregated":
         out.errors.append("grid.gpu_placement=disaggregated needs grid.backend=ray")
+    if cfg.rl.data_pool.data_plane == "ray_nixl_pool":
+        out.errors.append(
+            "rl.data_pool.data_plane=ray_nixl_pool needs grid.backend=ray (the pool lives in Ray's object store); "
+            "under grid.backend=local use rl.data_pool.data_plane=inline"
+        )
     if grid.num_nodes is not None and grid.num_nodes > 1:
         out.errors.append(f"grid.num_nodes={grid.num_nodes}: several nodes need grid.backend=ray")
 

@@ -8,7 +8,8 @@ The replica is a Ray actor (``launch/ray_backend.py``'s ``RolloutActor``, holdin
 Weights: every policy rank gathers the full weights (``PolicyWeights.full_state_dict()``, a
 collective); the lowest rank using a replica (its *owner*) sends them, through the Ray object store
 (``rl.weight_sync_transport=object_store``) or by broadcasts in a process group of the two
-(``nccl``: NCCL between GPUs, gloo on CPU; ``distributed/weight_sync.py``); then all policy ranks
+(``nccl``: NCCL between GPUs, gloo on CPU; ``distributed/weight_sync.py``) or by NIXL writes into a
+buffer the replica registered (``nixl``; ``distributed/nixl_sync.py``); then all policy ranks
 wait at a barrier, so nobody samples from a replica before its new version is stamped. A failed
 transfer poisons the proxy: it refuses to sample, with the hint to resume from the last checkpoint.
 """
@@ -17,11 +18,12 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from posttrain.config.schema import RunConfig
 from posttrain.distributed.world import barrier
 from posttrain.errors import TrainingError
+from posttrain.rollout.data_pool import StepLedger, probe_store, resolve_batch, uses_pool
 from posttrain.rollout.state import RESUME_HINT, EngineState
 
 if TYPE_CHECKING:
@@ -38,17 +40,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class SyncOptions(NamedTuple):
+    """The ``rl.weight_sync_*`` knobs the owner's transport reads (``nccl``: the bucket size)."""
+
+    bucket_bytes: int = 256 * 2**20
+    probe: bool = True
+    min_bandwidth_gbps: float = 1.0
+
+
 class RolloutProxy:
     """A policy rank's view of its rollout replica: the ``RolloutEngine`` protocol over Ray calls,
     each bounded by ``timeout_s``. ``owner``: this rank sends the replica its weights."""
 
     def __init__(
-        self, actor: Any, cell: int, *, owner: bool, timeout_s: float = CALL_TIMEOUT_S, transport: str = "object_store"
+        self,
+        actor: Any,
+        cell: int,
+        *,
+        owner: bool,
+        timeout_s: float = CALL_TIMEOUT_S,
+        transport: str = "object_store",
+        pooled: bool = False,
+        sync: SyncOptions | None = None,
     ) -> None:
         self.actor, self.cell, self.owner, self.timeout_s = actor, cell, owner, timeout_s
         self.transport = transport
+        self.sync = sync or SyncOptions()
+        self.nixl: Any = None  # the nixl transport's sender (distributed/nixl_sync.py), made on first use
         self.state = EngineState("{reason}. " + RESUME_HINT)
         self.group: Any = None
+        # rl.data_pool.data_plane=ray_nixl_pool: the replica returns handles (rollout/data_pool.py),
+        # resolved here and held until the step's optimizer commit (the weight sync)
+        self.pooled, self.ledger = pooled, StepLedger()
 
     @property
     def weight_version(self) -> int:
@@ -69,7 +92,12 @@ class RolloutProxy:
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, params: Any) -> Any:
         self.state.check_usable()
-        return self._get(self.actor.generate.remote(self.cell, prompt_token_ids, n, params), "generate")
+        batch = self._get(self.actor.generate.remote(self.cell, prompt_token_ids, n, params), "generate")
+        if not self.pooled:
+            return batch
+        batch, refs = resolve_batch(batch, lambda handles: self._get(handles, "the data pool's fetch"))
+        self.ledger.hold(refs)
+        return batch
 
     def receive_weights(self, weights: PolicyWeights, version: int) -> None:
         """Every policy rank gathers the full weights (a collective), the owner sends them to the
@@ -81,6 +109,8 @@ class RolloutProxy:
             try:
                 if self.transport == "nccl":
                     self._send_collective(named_tensors, version)
+                elif self.transport == "nixl":
+                    self._send_nixl(named_tensors, version)
                 else:
                     payload = {k: v.detach().cpu() for k, v in named_tensors.items()}
                     self._get(self.actor.load_weights.remote(payload, version), "load_weights")
@@ -90,7 +120,10 @@ class RolloutProxy:
                 ) from err
             self.sync_s = time.perf_counter() - start
         self.state.commit(version)
+        released = self.ledger.release()  # after the optimizer commit: the step's payloads may go
         barrier()
+        if self.pooled and self.owner:
+            probe_store(version, released)
 
     def _send_collective(self, named_tensors: dict[str, Any], version: int) -> None:
         """Broadcast the weights to the replica in the two-process group (opened on first use)."""
@@ -103,9 +136,32 @@ class RolloutProxy:
             joined = self.actor.join_sync.remote(host, port, self.timeout_s)
             self.group = weight_sync.pair_group(host, port, 0, timeout_s=self.timeout_s)
             self._get(joined, "join_sync")
-        received = self.actor.receive_broadcast.remote(weight_sync.describe(named_tensors), version)
-        weight_sync.send(self.group, named_tensors)
+        received = self.actor.receive_broadcast.remote(
+            weight_sync.describe(named_tensors), version, self.sync.bucket_bytes
+        )
+        weight_sync.send(self.group, named_tensors, self.sync.bucket_bytes)
         self._get(received, "receive_broadcast")
+
+    def _send_nixl(self, named_tensors: dict[str, Any], version: int) -> None:
+        """NIXL writes of the packed buckets into the replica's registered buffer, after the replica
+        checked that the list covers its model (``distributed/nixl_sync.py``)."""
+        from posttrain.distributed import nixl_sync, weight_sync
+
+        if self.nixl is None:
+            self.nixl = nixl_sync.NixlSender()
+        meta, sync = weight_sync.describe(named_tensors), self.sync
+        destination = self._get(self.actor.prepare_nixl.remote(meta, sync.bucket_bytes), "prepare_nixl")
+        received = self.actor.receive_nixl.remote(meta, version, sync.min_bandwidth_gbps, sync.probe)
+        self.nixl.send(
+            named_tensors,
+            meta,
+            destination,
+            version,
+            bucket_bytes=sync.bucket_bytes,
+            min_bandwidth_gbps=sync.min_bandwidth_gbps,
+            probe=sync.probe,
+        )
+        self._get(received, "receive_nixl")
 
     def state_dict(self) -> dict[str, int]:
         state: dict[str, int] = self._get(self.actor.state_dict.remote(self.cell), "state_dict")
@@ -120,6 +176,12 @@ class RolloutProxy:
 
         close_group(self.group)
         self.group = None
+        if self.nixl is not None:
+            self.nixl.close()
+            self.nixl = None
+        released = self.ledger.release()
+        if self.pooled and self.owner:
+            probe_store(self.weight_version, released, final=True, settle_s=10.0)
 
 
 def rollout_proxy(cfg: RunConfig, rank: int) -> RolloutProxy:
@@ -134,4 +196,8 @@ def rollout_proxy(cfg: RunConfig, rank: int) -> RolloutProxy:
         owner=rank < replicas,
         timeout_s=cfg.grid.collective_timeout_s,
         transport=cfg.rl.weight_sync_transport,
+        sync=SyncOptions(
+            cfg.rl.weight_sync_bucket_bytes, cfg.rl.weight_sync_probe, cfg.rl.weight_sync_min_bandwidth_gbps
+        ),
+        pooled=uses_pool(cfg),
     )

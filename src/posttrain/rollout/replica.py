@@ -51,6 +51,16 @@ class Replica:
     def load_weights(self, named_tensors: dict[str, Any], version: int) -> None:
         self.engine.load_weights(named_tensors, version=version)
 
+    def weight_layout(self) -> dict[str, tuple[tuple[int, ...], str]] | None:
+        """Name -> (shape, dtype) of every tensor a weight update must bring: the transformers
+        engine's model (its ``state_dict``, tied names included, as the policy sends them). ``None``
+        for a vLLM engine, which casts to its own dtype and whose ``load_weights`` checks the
+        checkpoint's names itself before it writes anything."""
+        model = getattr(self.engine, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            return None
+        return {name: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in model.state_dict().items()}
+
     def state_dict(self, cell: int) -> dict[str, int]:
         return dict(self.streams.get(cell, EngineState().state_dict()))
 
