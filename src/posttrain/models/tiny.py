@@ -21,11 +21,9 @@ def make_tiny_model(
     """Save a randomly initialised ``LlamaForCausalLM`` (fp32) sized to ``tokenizer_dir``'s vocabulary,
     together with that tokenizer, into ``out_dir``; returns ``out_dir``."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = _tokenizer(tokenizer_dir)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -43,15 +41,7 @@ def make_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return _save(model, tokenizer, out_dir)
 
 
 def make_tiny_moe_model(
@@ -74,11 +64,9 @@ def make_tiny_moe_model(
     The router weights are drawn like every other linear weight (transformers initialises them to
     zero, which would tie every expert score)."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = _tokenizer(tokenizer_dir)
     config = Qwen3MoeConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -104,15 +92,7 @@ def make_tiny_moe_model(
         model = Qwen3MoeForCausalLM(config)
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.mlp.gate.weight, std=config.initializer_range)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return _save(model, tokenizer, out_dir)
 
 
 def make_tiny_vl_model(
@@ -135,14 +115,12 @@ def make_tiny_vl_model(
     ``min_pixels`` and ``max_pixels``, so a test image is a few patches) into ``out_dir``.
     ``posttrain.models.vision.VisionProcessor.from_dir(out_dir)`` renders prompts for it."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from posttrain.models.vision import VISION_TOKENS, VL_CHAT_TEMPLATE
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = _tokenizer(tokenizer_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
     tokenizer.chat_template = VL_CHAT_TEMPLATE
     ids: Any = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
@@ -188,19 +166,39 @@ def make_tiny_vl_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3VLForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=patch_size,
         merge_size=2,
         temporal_patch_size=2,
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
     )
+    _save(model, tokenizer, out_dir)
+    image_processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def _tokenizer(tokenizer_dir: str) -> Any:
+    """The local tokenizer, with its EOS as the pad token when it has none."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _save(model: Any, tokenizer: Any, out_dir: str) -> str:
+    """Give ``model`` a generation config of the tokenizer's special ids, save both into ``out_dir``."""
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    image_processor.save_pretrained(out_dir)
     return out_dir
 
 
