@@ -1,7 +1,7 @@
 """The data pool (``rl.data_pool.data_plane=ray_nixl_pool``) on a local Ray cluster (CPU).
 
 Disaggregated GRPO runs (transformers replicas, weights through the object store), each a driver
-subprocess that starts and stops its own cluster (``test_ray_backend.py``'s ``_driver``):
+subprocess that starts and stops its own cluster (``ray_runs.run_driver``):
 
 * with score centering on, so the sampler's top-k head is pooled too, a pooled run's metrics equal
   an inline run's exactly, step for step, at the same seeds;
@@ -14,19 +14,16 @@ subprocess that starts and stops its own cluster (``test_ray_backend.py``'s ``_d
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from ray_runs import run_driver, run_frames
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
-E2E_DIR = Path(__file__).parent.parent / "fixtures" / "e2e"
-RUN_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 300  # above ray_runs.RUN_TIMEOUT_S: the 40-step leak run
 RAY = ["grid.backend=ray", "grid.collective_timeout_s=60", "grid.gpu_placement=disaggregated"]
 OBJECT_STORE = ["rl.weight_sync_transport=object_store"]
 POOL = "rl.data_pool.data_plane=ray_nixl_pool"
@@ -34,30 +31,6 @@ START_LINE = "rl.data_pool.data_plane=ray_nixl_pool: NIXL unavailable ("
 # timings, throughput and memory differ between any two runs; every other metric must be equal
 TIMING_PREFIXES = ("timer/", "perf/", "memory/")
 TIMING_SUFFIXES = ("_s", "tokens_per_s", "_bytes", "_gib", "_mib")
-
-
-def _driver(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(E2E_DIR), os.environ.get("PYTHONPATH", "")) if p),
-        "OMP_NUM_THREADS": "1",
-        "RAY_AUTH_MODE": "disabled",
-        **(env_extra or {}),
-    }
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run(
-        [sys.executable, "-m", "posttrain.entrypoints.grpo", "--", *args],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        env=env,
-        check=False,
-    )
-
-
-def _frames(root: Path, job: str) -> list[dict[str, float]]:
-    (run_dir,) = (root / "posttrain" / "grpo" / job).iterdir()
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _deterministic(frame: dict[str, float]) -> dict[str, float]:
@@ -72,12 +45,13 @@ def test_pooled_run_trains_exactly_like_inline(
     probe = tmp_path / "probe.jsonl"
     runs, stderr = {}, {}
     for name, extra in (("inline", []), ("pooled", [POOL])):
-        res = _driver(
+        res = run_driver(
             run_overrides(tiny_model_dir, tmp_path, name, *common, *extra),
             {"POSTTRAIN_TEST_DATA_POOL_PROBE": str(probe)},
+            timeout_s=RUN_TIMEOUT_S,
         )
         assert res.returncode == 0, res.stderr[-3000:]
-        runs[name], stderr[name] = _frames(tmp_path, name), res.stderr
+        runs[name], stderr[name] = run_frames(tmp_path, name), res.stderr
     assert START_LINE in stderr["pooled"] and "pooling through Ray's object store" in stderr["pooled"]
     assert START_LINE not in stderr["inline"]
     assert [f["step"] for f in runs["pooled"]] == [1, 2, 3]
@@ -102,7 +76,7 @@ def test_pooled_payloads_are_freed_every_step(
         tiny_model_dir, tmp_path, "leak", *RAY, "rl.weight_sync_transport=nccl", *small, POOL, f"rl.max_steps={steps}"
     )
     probe = tmp_path / "probe.jsonl"
-    res = _driver(overrides, {"POSTTRAIN_TEST_DATA_POOL_PROBE": str(probe)})
+    res = run_driver(overrides, {"POSTTRAIN_TEST_DATA_POOL_PROBE": str(probe)}, timeout_s=RUN_TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in probe.read_text().splitlines()]
     *per_step, final = rows

@@ -12,14 +12,11 @@ Skipped where NIXL cannot run (the reason names what is missing).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from ray_runs import run_driver, run_frames
 
 from posttrain.distributed.nixl_sync import missing_library
 
@@ -27,32 +24,7 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 MISSING = missing_library()
 
-E2E_DIR = Path(__file__).parent.parent / "fixtures" / "e2e"
-RUN_TIMEOUT_S = 240
 RAY = ["grid.backend=ray", "grid.shapes.policy=[1,2]", "grid.collective_timeout_s=60"]
-
-
-def _driver(args: list[str]) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(E2E_DIR), os.environ.get("PYTHONPATH", "")) if p),
-        "OMP_NUM_THREADS": "1",
-        "RAY_AUTH_MODE": "disabled",
-    }
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run(
-        [sys.executable, "-m", "posttrain.entrypoints.grpo", "--", *args],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        env=env,
-        check=False,
-    )
-
-
-def _frames(root: Path, job: str) -> list[dict[str, float]]:
-    (run_dir,) = (root / "posttrain" / "grpo" / job).iterdir()
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.skipif(MISSING is not None, reason=f"NIXL cannot run here: {MISSING}")
@@ -68,9 +40,9 @@ def test_a_nixl_run_trains_the_same_as_the_object_store(
         overrides = run_overrides(
             tiny_model_dir, tmp_path, name, *RAY, "grid.gpu_placement=disaggregated", *extra, "rl.max_steps=3"
         )
-        res = _driver(overrides)
+        res = run_driver(overrides)
         assert res.returncode == 0, res.stderr[-3000:]
-        runs[name] = _frames(tmp_path, name)
+        runs[name] = run_frames(tmp_path, name)
         if name == "nixl":  # both ends made NIXL agents (NIXL's own log line, forwarded by Ray)
             for role in ("owner", "replica"):
                 assert f"Initialized NIXL agent: posttrain-{role}-" in res.stdout, res.stdout[-3000:]

@@ -5,7 +5,7 @@ mid-run; and a disaggregated run whose replica is a vLLM engine (vLLM's CPU buil
 
 Each run is a driver subprocess (``python -m posttrain.entrypoints.grpo ... grid.backend=ray``) that
 starts and stops its own local cluster, so no Ray state leaks into this pytest process; every
-subprocess is bounded (``RUN_TIMEOUT_S``) and every collective and actor call times out
+subprocess is bounded (``ray_runs.RUN_TIMEOUT_S``) and every collective and actor call times out
 (``grid.collective_timeout_s``).
 
 Colocated and disaggregated runs sample the same per-rank streams (each rank's stream is seeded
@@ -16,49 +16,18 @@ the rewards from step 2 on.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from ray_runs import run_driver, run_frames
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
-E2E_DIR = Path(__file__).parent.parent / "fixtures" / "e2e"
-RUN_TIMEOUT_S = 240
 RAY = ["grid.backend=ray", "grid.shapes.policy=[1,2]", "grid.collective_timeout_s=60"]
 DISAGGREGATED = ["grid.gpu_placement=disaggregated", "rl.weight_sync_transport=object_store"]
-
-
-def _driver(
-    args: list[str], env_extra: dict[str, str] | None = None, timeout_s: float = RUN_TIMEOUT_S
-) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(E2E_DIR), os.environ.get("PYTHONPATH", "")) if p),
-        "OMP_NUM_THREADS": "1",
-        "RAY_AUTH_MODE": "disabled",
-        **(env_extra or {}),
-    }
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run(
-        [sys.executable, "-m", "posttrain.entrypoints.grpo", "--", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=env,
-        check=False,
-    )
-
-
-def _frames(root: Path, job: str) -> list[dict[str, float]]:
-    (run_dir,) = (root / "posttrain" / "grpo" / job).iterdir()
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_colocated_and_disaggregated_runs_train_the_same(
@@ -68,9 +37,9 @@ def test_colocated_and_disaggregated_runs_train_the_same(
     nccl = ["grid.gpu_placement=disaggregated", "rl.weight_sync_transport=nccl"]  # gloo broadcasts on CPU
     for name, extra in (("colocated", []), ("disaggregated", DISAGGREGATED), ("collective", nccl)):
         overrides = run_overrides(tiny_model_dir, tmp_path, name, *RAY, *extra, "rl.max_steps=3")
-        res = _driver(overrides)
+        res = run_driver(overrides)
         assert res.returncode == 0, res.stderr[-3000:]
-        runs[name] = _frames(tmp_path, name)
+        runs[name] = run_frames(tmp_path, name)
     for frames in runs.values():
         assert [f["step"] for f in frames] == [1, 2, 3]
         assert all(f["train/grad_norm"] > 0 and f["optim/step"] == f["step"] for f in frames)
@@ -86,7 +55,7 @@ def test_a_dead_rollout_actor_stops_the_run(
     overrides = run_overrides(tiny_model_dir, tmp_path, "dies", *RAY, *DISAGGREGATED, "rl.max_steps=6")
     started = time.monotonic()
     # the replica's worker process exits on its 3rd generate call (step 2 of rank 0 or rank 1)
-    res = _driver(overrides, {"POSTTRAIN_TEST_ROLLOUT_EXIT_AFTER": "3"})
+    res = run_driver(overrides, {"POSTTRAIN_TEST_ROLLOUT_EXIT_AFTER": "3"})
     elapsed = time.monotonic() - started
     assert res.returncode == 1, res.stderr[-3000:]
     assert "the rollout replica died during generate" in res.stderr, res.stderr[-3000:]
@@ -108,9 +77,9 @@ def test_a_disaggregated_vllm_replica_receives_every_update(
     ray_slow = [*RAY[:-1], "grid.collective_timeout_s=240"]  # vLLM starts slowly on 2 shared cores
     extra = ["rollout.backend=vllm", "rl.max_steps=2", "rl.optimizer.lr=1e-2"]
     overrides = run_overrides(model_dir, tmp_path, "vllm_replica", *ray_slow, *DISAGGREGATED, *extra)
-    res = _driver(overrides, {"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout_s=540)
+    res = run_driver(overrides, {"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout_s=540)
     assert res.returncode == 0, res.stderr[-3000:]
-    frames = _frames(tmp_path, "vllm_replica")
+    frames = run_frames(tmp_path, "vllm_replica")
     assert [f["step"] for f in frames] == [1, 2]
     assert all(f["train/grad_norm"] > 0 and f["rollout/tokens_per_s"] > 0 for f in frames)
     # step 2 sampled on the replica after the sync of step 1's update: its logprobs are the trainer's

@@ -1,0 +1,42 @@
+"""Helpers for the Ray-backend tests: one GRPO driver in a subprocess of its own (it starts and
+stops its own local Ray cluster) and the metrics frames of a finished run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+E2E_DIR = Path(__file__).parent.parent / "fixtures" / "e2e"
+RUN_TIMEOUT_S = 240
+
+
+def run_driver(
+    args: list[str], env_extra: dict[str, str] | None = None, timeout_s: float = RUN_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    """``python -m posttrain.entrypoints.grpo -- ARGS`` with the e2e fixtures importable, one OpenMP
+    thread, Ray's auth off and no inherited WORLD_SIZE."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(E2E_DIR), os.environ.get("PYTHONPATH", "")) if p),
+        "OMP_NUM_THREADS": "1",
+        "RAY_AUTH_MODE": "disabled",
+        **(env_extra or {}),
+    }
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run(
+        [sys.executable, "-m", "posttrain.entrypoints.grpo", "--", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        check=False,
+    )
+
+
+def run_frames(root: Path, job: str) -> list[dict[str, float]]:
+    """The metrics.jsonl frames of the one run of ``job`` under output root ``root``."""
+    (run_dir,) = (root / "posttrain" / "grpo" / job).iterdir()
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
