@@ -143,6 +143,33 @@ def test_hf_engine_samples_with_the_current_adapter(tiny_model_dir: str) -> None
     assert (trainer_BT - base_BT).abs().max() > 1e-3
 
 
+def test_a_transformers_replica_takes_the_adapter_alone_and_samples_as_the_policy(tiny_model_dir: str) -> None:
+    """A disaggregated replica's side (``rollout/replica_lora.py``), in this process: the policy sends
+    its adapter alone; a partial adapter is refused before anything is copied; the whole one makes the
+    replica (its own copy of the base, wrapped the same way) sample exactly what the policy does."""
+    from posttrain.distributed.fsdp import PolicyWeights
+    from posttrain.errors import TrainingError
+    from posttrain.rollout.factory import build_hf_engine
+    from posttrain.rollout.replica import build_replica
+    from posttrain.rollout.replica_lora import sync_tensors
+
+    policy, _, cfg = _trained(tiny_model_dir, f"model.name_or_path={tiny_model_dir}")
+    replica = build_replica(cfg)
+    sent = sync_tensors(PolicyWeights(policy))
+    assert set(sent) == {n for n, p in policy.named_parameters() if p.requires_grad} and len(sent) == 28
+    before = {k: v.clone() for k, v in replica.engine.model.state_dict().items()}
+    with pytest.raises(TrainingError, match=r"version 1 does not fit the rollout replica's model\.lora: 1 missing"):
+        replica.load_weights(dict(list(sent.items())[1:]), 1)
+    assert all(torch.equal(v, before[k]) for k, v in replica.engine.model.state_dict().items())  # nothing copied
+    replica.load_weights(sent, 1)
+    assert replica.engine.weight_version == 1
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=0)
+    got = replica.generate(0, PROMPTS[:2], 2, params)
+    want = build_hf_engine(cfg, policy, _tokenizer(tiny_model_dir)).generate(PROMPTS[:2], 2, params)
+    assert [c.token_ids for c in got.completions] == [c.token_ids for c in want.completions]
+    assert [c.logprobs for c in got.completions] == [c.logprobs for c in want.completions]
+
+
 def _tokenizer(model_dir: str):
     from posttrain.models.loading import load_tokenizer
 

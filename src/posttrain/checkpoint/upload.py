@@ -338,7 +338,15 @@ class Uploads:
 
     def finish(self) -> None:
         """At the end of the run (the last save published): wait for the uploads in flight (bounded by
-        ``rl.upload.wait_timeout_s``), prune what retention held back for them, report what failed."""
+        ``rl.upload.wait_timeout_s``), prune what retention held back for them, report what failed.
+        The other ranks wait for rank 0 outside any collective (``distributed/rank_zero.py``): a drain
+        may outlast ``grid.collective_timeout_s``."""
+        from posttrain.distributed.rank_zero import on_rank_zero
+
+        on_rank_zero(self._drain, what="waiting for the checkpoint uploads")
+        self.check()
+
+    def _drain(self) -> None:
         if self.uploader is not None:
             pending = self.uploader.pending()
             if pending:
@@ -353,7 +361,6 @@ class Uploads:
                     + "; ".join(f"{p.name} ({why})" for p, why in sorted(failures.items()))
                     + ". They are intact locally, without .uploaded"
                 )
-        self.check()
 
     def close(self) -> None:
         """Stop the upload thread (after ``finish``, or when the run stops on an error)."""
@@ -454,13 +461,11 @@ def _remote_candidates(fs: Any, base: str) -> list[tuple[str, int, str]]:
 def fetch_from_destination(cfg: RunConfig, job_dir: Path, local: Path | None, say: Say) -> Path | None:
     """The checkpoint ``rl.resume=auto`` resumes from once the archive is looked at: the archive's
     newest one when it is newer than ``local`` (the newest local one, by attempt then step), downloaded
-    into ``job_dir``; else ``local``. Rank 0 looks and downloads; every rank gets its answer (a collective)."""
-    from posttrain.distributed.world import broadcast_object, is_rank_zero
+    into ``job_dir``; else ``local``. Rank 0 looks and downloads, the others wait outside any
+    collective (a download may outlast ``grid.collective_timeout_s``); every rank gets its answer."""
+    from posttrain.distributed.rank_zero import on_rank_zero
 
-    answer = str(local) if local is not None else None
-    if is_rank_zero():
-        answer = _fetch_newest(cfg, job_dir, local, say)
-    chosen = broadcast_object(answer)
+    chosen = on_rank_zero(lambda: _fetch_newest(cfg, job_dir, local, say), what="the download from the archive")
     return Path(chosen) if chosen is not None else None
 
 

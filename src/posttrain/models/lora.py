@@ -180,12 +180,19 @@ def peft_file_names(trained: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
 def write_adapter(model: Any, out_dir: Path, trained: Mapping[str, torch.Tensor] | None = None) -> Path:
     """Save ``model``'s adapter in peft's format (``adapter_config.json``, ``adapter_model.safetensors``)
     into ``out_dir``; ``trained``: its tensors when already gathered (``trained_state_dict``)."""
+    trained = trained if trained is not None else trained_state_dict(model)
+    return write_adapter_files(trained, model.peft_config[ADAPTER], out_dir)
+
+
+def write_adapter_files(trained: Mapping[str, torch.Tensor], peft_config: Any, out_dir: Path) -> Path:
+    """``trained`` (policy state-dict names) and ``peft_config`` (a ``peft.LoraConfig``) in peft's
+    format into ``out_dir``: what a rollout replica that holds no peft policy writes (``write_adapter``)."""
     from safetensors.torch import save_file
 
-    tensors = peft_file_names(trained if trained is not None else trained_state_dict(model))
+    tensors = peft_file_names(trained)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out_dir / ADAPTER_WEIGHTS))
-    model.peft_config[ADAPTER].save_pretrained(str(out_dir))
+    peft_config.save_pretrained(str(out_dir))
     return out_dir
 
 

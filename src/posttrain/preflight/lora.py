@@ -11,8 +11,8 @@
   a full-norm update of a rank-deficient factor. Nothing shows it helps; AdamW is what LoRA is tuned with.
 * The vLLM engine serves the adapter as a LoRA request: ranks vLLM supports, no ``modules_to_save``
   (a LoRA request carries adapter matrices only).
-* Disaggregated rollout replicas receive full state dicts (``rl.weight_sync_transport``): adapter
-  sync to them is not implemented, so that placement is refused.
+* Disaggregated rollout replicas (Ray) receive the adapter alone (``rollout/replica_lora.py``) over
+  any ``rl.weight_sync_transport``: nothing to refuse there.
 * Adapter checkpoints are consolidated (``rl.checkpoint_format=dcp`` is refused: a few MB need no
   sharded writer).
 
@@ -73,11 +73,6 @@ def _engine_problems(cfg: RunConfig, lora: LoraConfig) -> list[str]:
                 "carries adapter matrices only, so the rollout would sample without the fully trained modules; "
                 "set model.lora.modules_to_save=[] or use rollout.backend=hf"
             )
-    if cfg.grid.gpu_placement == "disaggregated":
-        problems.append(
-            "model.lora with grid.gpu_placement=disaggregated: adapter sync to remote rollout replicas is not "
-            "implemented (rl.weight_sync_transport sends full state dicts); use grid.gpu_placement=colocated"
-        )
     return problems
 
 

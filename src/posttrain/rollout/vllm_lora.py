@@ -3,7 +3,8 @@ it was built with and samples with the policy's current adapter as a ``LoRAReque
 
 After each optimizer step ``AdapterSync.sync`` writes the adapter in peft's format (a few MB) to a
 versioned directory, has vLLM load it under a new id, and only then drops the previous one: a
-transfer moves the adapter's tensors instead of every weight of the model. The new request is used
+transfer moves the adapter's tensors instead of every weight of the model (a disaggregated rollout
+replica calls ``AdapterSync.load`` with the tensors it received, ``rollout/replica_lora.py``). The new request is used
 from the next ``generate`` on. A failure anywhere poisons the engine like a failed full-weight sync
 (``rollout/state.py``): vLLM may hold the new adapter, the old one, or neither, so the engine refuses
 to sample until a resume. The directories live under one temporary root removed on ``close``.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +52,25 @@ class AdapterSync:
     def sync(self, module: Any, version: int) -> None:
         """Write ``module``'s adapter (whole tensors: a collective every policy rank calls when it is
         sharded), load it into vLLM as a new request and retire the previous one."""
-        from vllm.lora.request import LoRARequest
-
-        from posttrain.models.lora import ADAPTER_WEIGHTS, trained_state_dict, write_adapter
+        from posttrain.models.lora import ADAPTER, trained_state_dict
 
         self._state.check_usable()
-        trained = trained_state_dict(module)
+        self.load(trained_state_dict(module), module.peft_config[ADAPTER], version)
+
+    def load(self, trained: Mapping[str, Any], peft_config: Any, version: int) -> None:
+        """The adapter ``trained`` (whole tensors under the policy's state-dict names) with its
+        ``peft.LoraConfig``, as a new request; the previous one is retired after it loaded (``sync``
+        for a policy in this process; a rollout replica passes what it received)."""
+        from vllm.lora.request import LoRARequest
+
+        from posttrain.models.lora import ADAPTER_WEIGHTS, write_adapter_files
+
+        self._state.check_usable()
         start = time.perf_counter()
         self._ids += 1
         target = self._root / f"v{version:09d}-{self._ids}"
         try:
-            write_adapter(module, target, trained)
+            write_adapter_files(trained, peft_config, target)
             request = LoRARequest(f"policy-v{version}-{self._ids}", self._ids, str(target))
             if not self._llm.llm_engine.add_lora(request):
                 raise RuntimeError(f"vLLM did not load the adapter in {target}")
