@@ -14,10 +14,13 @@ RUN_TIMEOUT_S = 240
 
 
 def run_driver(
-    args: list[str], env_extra: dict[str, str] | None = None, timeout_s: float = RUN_TIMEOUT_S
+    args: list[str],
+    env_extra: dict[str, str] | None = None,
+    timeout_s: float = RUN_TIMEOUT_S,
+    module: str = "posttrain.entrypoints.grpo",
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m posttrain.entrypoints.grpo -- ARGS`` with the e2e fixtures importable, one OpenMP
-    thread, Ray's auth off and no inherited WORLD_SIZE."""
+    """``python -m MODULE -- ARGS`` (the GRPO entry point unless told) with the e2e fixtures
+    importable, one OpenMP thread, Ray's auth off and no inherited WORLD_SIZE."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in (str(E2E_DIR), os.environ.get("PYTHONPATH", "")) if p),
@@ -27,7 +30,7 @@ def run_driver(
     }
     env.pop("WORLD_SIZE", None)
     return subprocess.run(
-        [sys.executable, "-m", "posttrain.entrypoints.grpo", "--", *args],
+        [sys.executable, "-m", module, "--", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -36,7 +39,7 @@ def run_driver(
     )
 
 
-def run_frames(root: Path, job: str) -> list[dict[str, float]]:
-    """The metrics.jsonl frames of the one run of ``job`` under output root ``root``."""
-    (run_dir,) = (root / "posttrain" / "grpo" / job).iterdir()
+def run_frames(root: Path, job: str, group: str = "grpo") -> list[dict[str, float]]:
+    """The metrics.jsonl frames of the one run of ``job`` (of ``job.group`` ``group``) under output root ``root``."""
+    (run_dir,) = (root / "posttrain" / group / job).iterdir()
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -19,10 +19,22 @@ the ordinary loop, exactly as a torchrun process would.
   a process group of the two (``nccl``: NCCL between GPUs, gloo on CPU; ``distributed/weight_sync.py``)
   or by NIXL writes into a buffer the replica registered (``nixl``; ``distributed/nixl_sync.py``),
   and all ranks wait at a barrier, so nobody samples from a replica before its new version is stamped.
+  A LoRA policy (``model.lora``) gathers and sends its adapter alone (``rollout/replica_lora.py``).
   A failed or partial transfer poisons the replica: it refuses to sample, and the run stops with a
   message to resume from the last checkpoint. With ``rl.data_pool.data_plane=ray_nixl_pool`` a
   replica puts its completions' large fields into the object store and returns handles
   (``rollout/data_pool.py``); the driver logs at start that NIXL is not used for them.
+
+Tensor-parallel replicas (``rollout.tensor_parallel_size > 1``, disaggregated, vLLM): each replica
+is ROLLOUT_RANKS lane actors in a placement group of its own, forming one vLLM engine
+(``launch/rollout_lanes.py``; the policy ranks' side is ``rollout/lanes_proxy.py``).
+
+OPD: the teacher is a role of its own (``teacher/pool.py``): ``rl.teacher.replicas`` replicas of
+``rl.teacher.tensor_parallel_size`` lanes, each replica in a placement group of its own, started
+before the policy ranks; each rank holds a ``teacher/remote.py`` proxy. Capacity: a cluster this
+driver started is checked against the roles' GPUs (``distributed/placement.py``: ``K + T`` colocated,
+policy + rollout + teacher disaggregated) before any actor starts; a joined cluster is not (the
+start line says why).
 
 Any actor failure ends the run with that actor's error: the driver waits on every policy actor,
 and the first one to fail (or die) makes it kill the others, which may be blocked in a collective.
@@ -37,11 +49,17 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.schema import RunConfig
-from posttrain.errors import TrainingError
+from posttrain.distributed.placement import cluster_line, cluster_shortfall, role_plan
+from posttrain.errors import ConfigError, TrainingError
 from posttrain.importing import import_object
 from posttrain.rollout.data_pool import place_batch, ray_put, start_line, uses_pool
 from posttrain.rollout.remote import NAMESPACE, free_port
 from posttrain.rollout.state import EngineState
+from posttrain.teacher.pool import EXIT_ENV as TEACHER_EXIT_ENV
+from posttrain.teacher.pool import TeacherPool
+
+# Fault injection for tests (launch/rollout_lanes.py): one lane of a tensor-parallel replica fails a weight load.
+LANE_FAIL_ENV = "POSTTRAIN_TEST_ROLLOUT_LANE_LOAD_FAIL"
 
 # Fault injection for tests: a rollout actor exits (as if killed) on this generate call.
 EXIT_AFTER_ENV = "POSTTRAIN_TEST_ROLLOUT_EXIT_AFTER"
@@ -179,7 +197,7 @@ def _connect(cfg: RunConfig, bundles: int) -> bool:
     """Join ``grid.ray_address``, or start a local cluster; True when this process started it."""
     import ray
 
-    keep = ("PYTHONPATH", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", EXIT_AFTER_ENV)
+    keep = ("PYTHONPATH", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", EXIT_AFTER_ENV, TEACHER_EXIT_ENV, LANE_FAIL_ENV)
     runtime_env = {"env_vars": {k: os.environ[k] for k in keep if k in os.environ}}
     if cfg.grid.ray_address is not None:
         ray.init(address=cfg.grid.ray_address, namespace=NAMESPACE, runtime_env=runtime_env)
@@ -240,17 +258,29 @@ def train_with_ray(cfg: RunConfig, argv: list[str], config_class: str, train: st
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from posttrain.launch.rollout_lanes import RolloutLanes
+
     grid = cfg.grid
     ranks, replicas = grid.policy_ranks, grid.shapes.rollout[0]
-    remote_rollout = grid.gpu_placement == "disaggregated"
+    # rollout.tensor_parallel_size > 1: each replica is a group of lanes of its own (launch/rollout_lanes.py)
+    lanes = grid.gpu_placement == "disaggregated" and grid.shapes.rollout[1] > 1
+    remote_rollout = grid.gpu_placement == "disaggregated" and not lanes
     bundles = ranks + (replicas if remote_rollout else 0)
-    started = _connect(cfg, bundles)
+    plan = role_plan(cfg)  # the teacher's own pool too (OPD), placed apart: teacher/pool.py
+    started = _connect(cfg, bundles + plan.teacher_gpus + (plan.rollout_gpus if lanes else 0))
+    resources = ray.cluster_resources() if started else None  # a joined cluster is not checked
+    print(cluster_line(plan, resources, grid.ray_address), file=sys.stderr, flush=True)
+    shortfall = cluster_shortfall(plan, resources) if resources is not None else None
+    if shortfall is not None:
+        ray.shutdown()
+        raise ConfigError([shortfall])
     if uses_pool(cfg):
         print(start_line(cfg), file=sys.stderr, flush=True)
     gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
     unit = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
     pg = placement_group([dict(unit) for _ in range(bundles)], strategy="PACK")
     actors: list[Any] = []
+    teachers, tp_rollouts = TeacherPool(), RolloutLanes()
     try:
         ray.get(pg.ready(), timeout=grid.collective_timeout_s)
 
@@ -268,11 +298,27 @@ def train_with_ray(cfg: RunConfig, argv: list[str], config_class: str, train: st
             )
         rollouts = list(actors)
         ray.get([a.state_dict.remote(0) for a in rollouts], timeout=grid.collective_timeout_s)  # replicas are up
+        if lanes:
+            tp_rollouts.start(
+                job["config"], config_class, replicas, grid.shapes.rollout[1], gpus=bool(gpus),
+                timeout_s=grid.collective_timeout_s,
+            )  # fmt: skip
+        if plan.teacher_gpus:
+            teachers.start(
+                job["config"],
+                config_class,
+                plan.teacher_replicas,
+                plan.teacher_ranks,
+                gpus=bool(gpus),
+                timeout_s=grid.collective_timeout_s,
+            )
         policies = [place(PolicyRankActor, r).remote() for r in range(ranks)]
         actors += policies
         master = ray.get(policies[0].address.remote(), timeout=grid.collective_timeout_s)
         results = _wait_all([p.run.remote(r, ranks, master, job) for r, p in enumerate(policies)])
         _close_replicas(rollouts, grid.collective_timeout_s)
+        tp_rollouts.close(grid.collective_timeout_s)
+        teachers.close(grid.collective_timeout_s)
         return Path(results[0])
     except ray.exceptions.GetTimeoutError as err:
         raise TrainingError(f"the Ray cluster did not start the run's actors in time: {err}") from None
@@ -281,6 +327,8 @@ def train_with_ray(cfg: RunConfig, argv: list[str], config_class: str, train: st
     finally:
         for actor in actors:
             ray.kill(actor)
+        teachers.kill()
+        tp_rollouts.kill()
         remove_placement_group(pg)
         if started:
             ray.shutdown()

@@ -9,7 +9,9 @@ import os
 from collections.abc import Mapping
 
 from posttrain.config.schema import RunConfig
+from posttrain.distributed.placement import role_plan
 from posttrain.preflight.findings import Findings
+from posttrain.preflight.rollout_tp import check_rollout_tp
 
 
 def _check_shapes(cfg: RunConfig, out: Findings) -> bool:
@@ -116,16 +118,13 @@ def _check_allocation(cfg: RunConfig, env: Mapping[str, str], out: Findings) -> 
         return
     have, source = found
     grid = cfg.grid
-    need = grid.gpus_needed
-    if have < need:
-        policy, rollout = f"POLICY_RANKS={grid.policy_ranks}", f"ROLLOUT_REPLICAS x ROLLOUT_RANKS={grid.rollout_gpus}"
-        if grid.gpu_placement == "colocated":
-            how = f"colocated, one shared pool: max({policy}, {rollout})"
-        else:
-            how = f"disaggregated, two pools: {policy} + {rollout}"
+    plan = role_plan(cfg)  # the teacher's own pool too (OPD under Ray): distributed/placement.py
+    if have < plan.total:
+        teacher = " and the teacher pool" if plan.teacher_gpus else ""
         out.errors.append(
             f"the allocation has {have} GPUs ({source}) but grid.shapes policy={grid.shapes.policy} "
-            f"rollout={grid.shapes.rollout} need {need} ({how}); shrink the shapes or allocate more"
+            f"rollout={grid.shapes.rollout}{teacher} need {plan.total} ({plan.arithmetic()}); shrink the shapes "
+            "or allocate more"
         )
 
 
@@ -142,11 +141,7 @@ def _check_not_built(cfg: RunConfig, out: Findings) -> None:
     if grid.backend == "ray":
         if importlib.util.find_spec("ray") is None:
             out.errors.append("grid.backend=ray but Ray is not installed: pip install 'posttrain[ray]'")
-        if cfg.rollout.tensor_parallel_size > 1:
-            out.errors.append(
-                f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}: rollout replicas wider than one "
-                "device are not implemented yet under grid.backend=ray; use 1"
-            )
+        check_rollout_tp(cfg, out)  # vLLM, disaggregated, a transport to every lane (preflight/rollout_tp.py)
         if grid.gpu_placement == "disaggregated":
             if replicas > ranks:
                 out.errors.append(

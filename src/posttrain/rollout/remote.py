@@ -10,7 +10,8 @@ collective); the lowest rank using a replica (its *owner*) sends them, through t
 (``rl.weight_sync_transport=object_store``) or by broadcasts in a process group of the two
 (``nccl``: NCCL between GPUs, gloo on CPU; ``distributed/weight_sync.py``) or by NIXL writes into a
 buffer the replica registered (``nixl``; ``distributed/nixl_sync.py``); then all policy ranks
-wait at a barrier, so nobody samples from a replica before its new version is stamped. A failed
+wait at a barrier, so nobody samples from a replica before its new version is stamped. A LoRA
+policy gathers and sends its adapter alone (``rollout/replica_lora.py``). A failed
 transfer poisons the proxy: it refuses to sample, with the hint to resume from the last checkpoint.
 """
 
@@ -24,6 +25,7 @@ from posttrain.config.schema import RunConfig
 from posttrain.distributed.world import barrier
 from posttrain.errors import TrainingError
 from posttrain.rollout.data_pool import StepLedger, probe_store, resolve_batch, uses_pool
+from posttrain.rollout.replica_lora import sync_tensors
 from posttrain.rollout.state import RESUME_HINT, EngineState
 
 if TYPE_CHECKING:
@@ -102,18 +104,12 @@ class RolloutProxy:
     def receive_weights(self, weights: PolicyWeights, version: int) -> None:
         """Every policy rank gathers the full weights (a collective), the owner sends them to the
         replica, then all ranks meet at a barrier: no rank samples from a shared replica before its
-        new version is in."""
-        named_tensors = weights.full_state_dict()
+        new version is in. A LoRA policy sends its adapter alone (``rollout/replica_lora.py``)."""
+        named_tensors = sync_tensors(weights)
         if self.owner:
             start = time.perf_counter()
             try:
-                if self.transport == "nccl":
-                    self._send_collective(named_tensors, version)
-                elif self.transport == "nixl":
-                    self._send_nixl(named_tensors, version)
-                else:
-                    payload = {k: v.detach().cpu() for k, v in named_tensors.items()}
-                    self._get(self.actor.load_weights.remote(payload, version), "load_weights")
+                self._send(named_tensors, version)
             except Exception as err:
                 raise self.state.poison(
                     f"weight sync of version {version} to the rollout replica failed: {err}"
@@ -124,6 +120,17 @@ class RolloutProxy:
         barrier()
         if self.pooled and self.owner:
             probe_store(version, released)
+
+    def _send(self, named_tensors: dict[str, Any], version: int) -> None:
+        """The owner's transfer of one version over ``rl.weight_sync_transport`` (a tensor-parallel
+        replica sends to each of its lanes instead: ``rollout/lanes_proxy.py``)."""
+        if self.transport == "nccl":
+            self._send_collective(named_tensors, version)
+        elif self.transport == "nixl":
+            self._send_nixl(named_tensors, version)
+        else:
+            payload = {k: v.detach().cpu() for k, v in named_tensors.items()}
+            self._get(self.actor.load_weights.remote(payload, version), "load_weights")
 
     def _send_collective(self, named_tensors: dict[str, Any], version: int) -> None:
         """Broadcast the weights to the replica in the two-process group (opened on first use)."""
@@ -187,6 +194,11 @@ class RolloutProxy:
 def rollout_proxy(cfg: RunConfig, rank: int) -> RolloutProxy:
     """This policy rank's proxy to its replica (``rank mod ROLLOUT_REPLICAS``), found by name."""
     import ray
+
+    if cfg.rollout.tensor_parallel_size > 1:  # a replica of several lanes, one vLLM engine
+        from posttrain.rollout.lanes_proxy import lanes_proxy
+
+        return lanes_proxy(cfg, rank)
 
     replicas = cfg.grid.shapes.rollout[0]
     actor = ray.get_actor(f"rollout-{rank % replicas}", namespace=NAMESPACE)

@@ -8,6 +8,7 @@ ignored, and for no detokenization.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ class VLLMTeacher:
         max_model_len: int | None = None,
         dtype: str = "auto",
         moe_backend: str = "auto",
+        engine_args: Mapping[str, Any] | None = None,
     ) -> None:
         from posttrain.rollout.vllm_moe import moe_backend_args
         from posttrain.rollout.vllm_runtime import build_llm, choose_engine_core_process, import_vllm
@@ -60,6 +62,7 @@ class VLLMTeacher:
                 # the rollout engine's choice on CUDA (docs/vllm.md: the device's vLLM has no FlashInfer)
                 **({"attention_backend": "FLASH_ATTN"} if torch.cuda.is_available() else {}),
                 **moe_backend_args(moe_backend),  # rl.teacher.moe_backend: nothing for auto
+                **(engine_args or {}),  # a tensor-parallel teacher lane's launcher (teacher/pool.py)
             )
         self.llm = llm
         self.vllm = vllm
