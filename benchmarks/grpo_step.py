@@ -84,6 +84,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     if args.engine == "vllm":
+        from posttrain.rollout.factory import vllm_dtype
         from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
         engine = VLLMRolloutEngine(
@@ -94,11 +95,16 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
             max_model_len=args.max_model_len,
             enforce_eager=args.enforce_eager,
             seed=0,
-            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            # the dtype a run's engine gets (the policy's compute dtype: bf16 beside fp32 master
+            # weights); the parameters' dtype gave an fp32 engine in the W runs of 2026-12-01 (evening)
+            dtype=vllm_dtype(cfg),
             enable_sleep_mode=args.sleep,
             async_scheduling=True if args.async_scheduling else None,
             separate_process=args.separate_engine_process,
+            # --call-seeds: seeded per call (CPU build only; not off-policy: the trainer runs meanwhile)
+            call_seeds=args.call_seeds and not args.off_policy,
         )
+        print(f"vLLM seeding: {engine.seeding} (rollout/vllm_seeding.py)", flush=True)
     else:
         from posttrain.rollout.hf_engine import HFRolloutEngine
 
@@ -227,6 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 - one flat
         "params": n_params,
         "dtype": str(next(model.parameters()).dtype),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "seeding": "none" if args.unseeded else getattr(engine, "seeding", "call"),
         "torch": torch.__version__,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         **setup,
@@ -267,7 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="rollout.separate_engine_process: vLLM's engine core in a process of its own (weights by CUDA IPC)",
     )
-    p.add_argument("--unseeded", action="store_true", help="rollout.seed=null: no per-prompt vLLM seeds")
+    p.add_argument("--unseeded", action="store_true", help="rollout.seed=null: no vLLM seeding at all")
+    p.add_argument(
+        "--call-seeds",
+        action="store_true",
+        help="rollout.per_prompt_seeds=false: the engine's generators seeded per call (CPU build only; a CUDA "
+        "engine refuses it: it did not replay on vLLM 0.24; default: a request seed per prompt)",
+    )
     p.add_argument(
         "--sampler-logprobs-every", type=int, default=1, help="rollout.sampler_logprobs_every (0: never record)"
     )

@@ -20,6 +20,7 @@ def ours_row(path: Path) -> str:
     m = d["median_steps_2_on"]
     a = d["args"]
     label = f"posttrain {Path(path).stem}" + (" (unseeded)" if a.get("unseeded") else "")
+    label += " (per-call seeds)" if a.get("call_seeds") else ""
     return (
         f"| {label} | {m['step_s']:.2f} s | {m['generation_s']:.2f} s | {m['update_s'] + m['logprob_pass_s']:.2f} s "
         f"({100 * m['mfu_update']:.1f} % MFU) | {m['weight_sync_s']:.3f} s | {m['peak_alloc_gib']:.1f} GiB |"

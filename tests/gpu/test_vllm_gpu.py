@@ -168,3 +168,14 @@ def test_sleep_frees_memory_and_an_update_moves_the_engine_logprobs(engine, mode
     )
     assert float(gaps.mean()) < MEAN_GAP_TOL, REPORT
     assert float(moved.mean()) > 4 * float(gaps.mean()) and float(moved.mean()) > 0.05, REPORT
+
+
+def test_call_seeding_is_refused_on_cuda(tiny_model_dir: str) -> None:
+    """Per-call seeding (rollout.per_prompt_seeds=false) did not replay on vLLM 0.24's CUDA sampler
+    (2026-12-01, one H200: a call replayed after a restored call counter drew other tokens), so a CUDA
+    engine refuses it before it starts, by name; the default (a seed per prompt) replays."""
+    from posttrain.errors import ConfigError
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+
+    with pytest.raises(ConfigError, match=r"rollout\.per_prompt_seeds=false: per-call seeding does not replay"):
+        VLLMRolloutEngine(tiny_model_dir, call_seeds=True)

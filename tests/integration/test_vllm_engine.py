@@ -35,7 +35,10 @@ def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_d
 
 @pytest.fixture(scope="session")
 def engine(vllm_model_dir: str) -> Iterator[VLLMRolloutEngine]:
-    eng = VLLMRolloutEngine(vllm_model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    # per-call seeding (rollout.per_prompt_seeds=false, CPU only): the tests below replay both schemes
+    eng = VLLMRolloutEngine(
+        vllm_model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0, call_seeds=True
+    )
     yield eng
     eng.close()
 
@@ -131,7 +134,12 @@ def test_raw_logprobs_ignore_warping_and_head_matches(fresh: VLLMRolloutEngine, 
     torch.testing.assert_close(torch.tensor(c.extra["head_logprobs"]), top.values, atol=1e-4, rtol=1e-4)
 
 
-def test_seeded_calls_replay_after_restoring_the_call_counter(fresh: VLLMRolloutEngine, prompts) -> None:
+@pytest.mark.parametrize("seeding", ["call", "prompt"])
+def test_seeded_calls_replay_after_restoring_the_call_counter(
+    fresh: VLLMRolloutEngine, prompts, seeding: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert fresh.seeding == "call"  # asked for (call_seeds=True), in-process: it holds (rollout/vllm_seeding.py)
+    monkeypatch.setattr(fresh, "seeding", seeding)  # "prompt": a seed per prompt, as rollout.per_prompt_seeds
     params = SamplingParams(max_tokens=6, seed=7)
     state = fresh.state_dict()
     first = fresh.generate(prompts, 2, params)
@@ -140,6 +148,28 @@ def test_seeded_calls_replay_after_restoring_the_call_counter(fresh: VLLMRollout
     replay = fresh.generate(prompts, 2, params)
     assert [c.token_ids for c in replay.completions] == [c.token_ids for c in first.completions]
     assert [c.token_ids for c in second.completions] != [c.token_ids for c in first.completions]
+
+
+def test_call_seeded_draws_do_not_depend_on_earlier_calls_or_the_callers_rng(
+    fresh: VLLMRolloutEngine, tokenizer
+) -> None:
+    """Per-call seeding: call k replays after restoring the counter whatever the prefix cache holds
+    from earlier calls (here a prefill of 4.8k tokens, more than the 4,096 vLLM's CPU build
+    schedules per step, which a warm cache would split differently) and whatever the caller drew
+    from torch's generator meanwhile; the caller's generator is left where it was."""
+    words = " ".join(f"w{i}" for i in range(60))
+    long_prompts = [render_prompt_ids(tokenizer, f"{i} {words}", use_chat_template=True) for i in range(24)]
+    assert sum(len(p) for p in long_prompts) > 4096 and max(len(p) for p in long_prompts) < 250
+    params = SamplingParams(max_tokens=3, seed=5)
+    start = fresh.state_dict()
+    rng = torch.get_rng_state()
+    cold = [c.token_ids for c in fresh.generate(long_prompts, 2, params).completions]
+    assert torch.equal(torch.get_rng_state(), rng)
+    torch.rand(1000)
+    fresh.load_state_dict(start)
+    warm = [c.token_ids for c in fresh.generate(long_prompts, 2, params).completions]  # cached by `cold`
+    assert warm == cold
+    assert len({tuple(t) for t in cold}) > 40  # 48 samples, batched draws still independent
 
 
 def test_sampler_logprobs_are_recorded_for_every_nth_weight_version(fresh: VLLMRolloutEngine, prompts) -> None:
@@ -271,11 +301,18 @@ def test_separate_engine_process_takes_weights_through_shared_memory(
     """``separate_process``: the engine core runs in a process of its own and reads the weights from
     the buffer it mapped once; after each receive_weights it samples with exactly the trainer's weights."""
     eng = VLLMRolloutEngine(
-        vllm_model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0, separate_process=True
+        vllm_model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        seed=0,
+        separate_process=True,
+        call_seeds=True,  # asked for, but the sampler's generators are the other process's
     )
     try:
         # built after the in-process engine of the tests above: vLLM's env cache must not keep it in-process
         assert engine_core_is_separate(eng._llm) and not engine_core_is_separate(engine._llm)
+        assert eng.seeding == "prompt"  # the sampler's generators are the other process's
         model = _trainer_model(vllm_model_dir)
         first = eng.generate(prompts, 2, SamplingParams(max_tokens=6, seed=4))
         _assert_logprobs_match(first, _trainer_logprobs(model, first, tokenizer.pad_token_id))

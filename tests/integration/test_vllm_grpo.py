@@ -41,16 +41,19 @@ def _vllm_grpo_run(
     return model_dir, run_dir, records, res
 
 
-def test_two_grpo_steps_with_the_vllm_engine(
+def test_two_grpo_steps_with_the_vllm_engine_and_an_exact_resume(
     tmp_path: Path,
     smollm2_tokenizer_dir: str,
     run_overrides: Callable[..., list[str]],
     grpo_cli: Callable[..., subprocess.CompletedProcess[str]],
 ) -> None:
+    """Two steps, then step 2 again from the step-1 checkpoint in a fresh process: its engine, seeded
+    per call (the in-process default), draws what the first run's engine drew at that call, so the
+    resumed step's metrics and final weights are the uninterrupted run's exactly."""
     model_dir, run_dir, records, res = _vllm_grpo_run(
-        tmp_path, smollm2_tokenizer_dir, run_overrides, grpo_cli, "vllm", "rl.max_steps=2", "rl.save_every=2"
+        tmp_path, smollm2_tokenizer_dir, run_overrides, grpo_cli, "vllm", "rl.max_steps=2", "rl.save_every=1"
     )
-    assert "vLLM engine started" in res.stdout
+    assert "vLLM engine started" in res.stdout and "seeding=per call" in res.stdout
     assert [r["step"] for r in records] == [1, 2]
     # step 2 sampled with the weights of step 1's update: the engine's logprobs track the trainer's
     assert records[1]["train/logprob_gap_max"] < 1e-3
@@ -58,6 +61,20 @@ def test_two_grpo_steps_with_the_vllm_engine(
     before = load_file(str(Path(model_dir) / "model.safetensors"))
     after = load_file(str(run_dir / "checkpoints" / "iter_000000002" / "model.safetensors"))
     assert sum(not torch.equal(before[k], after[k].to(before[k].dtype)) for k in before) > len(before) // 2
+    checkpoint = run_dir / "checkpoints" / "iter_000000001"
+    out = tmp_path / "resumed"
+    resume = ["rollout.backend=vllm", "rl.max_steps=2", "rl.save_every=2", f"rl.resume={checkpoint}"]
+    again = grpo_cli(run_overrides(model_dir, out, "vllm", *resume))
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed_dir = next((out / "posttrain" / "grpo").glob("*/*"))
+    resumed = [json.loads(line) for line in (resumed_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def same(r: dict[str, float]) -> dict[str, float]:
+        return {k: v for k, v in r.items() if not k.startswith(("timer/", "rollout/"))}
+
+    assert [same(r) for r in resumed if r["step"] == 2] == [same(records[1])]
+    final = load_file(str(resumed_dir / "checkpoints" / "iter_000000002" / "model.safetensors"))
+    assert all(torch.equal(final[k], after[k]) for k in after)
 
 
 def test_sampler_logprobs_recorded_every_other_step(

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 def resume_identity(cfg: RunConfig) -> dict[str, Any]:
     """The identity ``check_resume_compatible`` compares, built from a config."""
     from posttrain.policy.trainer import objective_spec
+    from posttrain.rollout.vllm_seeding import wants_call_seeds
 
     return {
         "data_seed": cfg.data_seed,
@@ -35,6 +36,11 @@ def resume_identity(cfg: RunConfig) -> dict[str, Any]:
         **cfg.resume_identity_extra(),  # a config type may pin more (OPD: the teacher and its knobs)
         # model.lora, only when on (identities of full fine-tuning runs stay as they were)
         **({"model.lora": cfg.model.lora.model_dump(mode="json")} if cfg.model.lora.enabled else {}),
+        # a frozen vision tower trains other parameters: only when on, like model.lora
+        **({"model.freeze_vision_tower": True} if cfg.model.freeze_vision_tower else {}),
+        # vLLM seeding its generators per call draws other completions than a seed per prompt (only
+        # when so, like model.lora: runs seeded per prompt keep the identity they had)
+        **({"rollout.vllm_seeding": "call"} if wants_call_seeds(cfg) else {}),
     }
 
 
@@ -100,13 +106,21 @@ def check_resume_compatible(saved: TrainingState, current_identity: dict[str, An
     for key in sorted((set(old) | set(new)) - {"data_seed", "objective", "ref_anchor"}):
         if old.get(key) != new.get(key):
             label = "rl.n_mini" if key == "n_mini" else key
-            problems.append(f"{label} changed: {_difference(old.get(key), new.get(key))}")
+            problems.append(f"{label} changed: {_difference(old.get(key), new.get(key))}{_HINTS.get(key, '')}")
     if problems:
         raise CheckpointError(
             "cannot resume exactly from this checkpoint:\n"
             + "\n".join(f"  - {p}" for p in problems)
             + "\nrestore the original settings, or start fresh with rl.resume=off"
         )
+
+
+_HINTS = {
+    "rollout.vllm_seeding": (
+        " (None is a seed per prompt, rollout.per_prompt_seeds=true, the default; 'call' is "
+        "rollout.per_prompt_seeds=false: resume with the checkpoint's)"
+    ),
+}
 
 
 def _short(value: Any) -> str:

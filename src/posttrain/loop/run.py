@@ -52,8 +52,10 @@ from posttrain.loop.evaluate import build_evaluator
 from posttrain.loop.pipeline import MakeBatch, batch_source
 from posttrain.loop.resume import check_resume_compatible, resume_identity
 from posttrain.loop.run_dir import create_run_dir, job_dir, write_resolved_config
+from posttrain.loop.vision import prepare_vision_policy, vision_run
 from posttrain.metrics.sinks import MetricsLogger, OffRankLogger
 from posttrain.metrics.timers import StepTimer, peak_memory_frame
+from posttrain.models.cpu_heap import keep_freed_memory_in_heap
 from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.models.lora import apply_lora, checkpoint_module, trainable_count
 from posttrain.models.precision import resolve_precision
@@ -122,13 +124,16 @@ def start_run(cfg: RunConfig, argv: list[str], objective: Objective) -> Run:
     world = join_policy_world(cfg)
     run_dir, log = open_run_dir(cfg, argv, world)
     seed_everything(cfg.rl.seed)
-    data = build_data_source(cfg.rl.data, cfg.data_seed)
+    vision = vision_run(cfg)  # a vision-language policy: image rows, image sampling (loop/vision.py)
+    data = build_data_source(cfg.rl.data, cfg.data_seed, images=vision)
     reward = get_reward(cfg.rl.reward, timeout_s=cfg.rl.reward_timeout_s, weights=cfg.rl.reward_weights)
     t0 = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(cfg.model)
     model = apply_lora(model, cfg.model.lora)  # the model itself unless model.lora.rank > 0
     params = sum(p.numel() for p in model.parameters())
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    if device.type == "cpu":
+        keep_freed_memory_in_heap()  # no page faults on each step's big tensors (models/cpu_heap.py)
     log.info(
         f"model {cfg.model.name_or_path}: {params / 1e6:.1f}M parameters on {device} in {dtype} "
         f"(loaded in {time.perf_counter() - t0:.1f}s)"
@@ -136,13 +141,14 @@ def start_run(cfg: RunConfig, argv: list[str], objective: Objective) -> Run:
     if cfg.model.lora.enabled:
         trainable, total = trainable_count(model)
         log.info(f"LoRA rank {cfg.model.lora.rank}: {trainable / 1e6:.2f}M of {total / 1e6:.1f}M parameters train")
+    sampler = prepare_vision_policy(cfg, model, tokenizer, log) if vision else None  # freezes before any copy
     engine = build_rollout_engine(cfg, model, tokenizer, log)
     reference = build_reference(model, cfg, objective)
     precision = resolve_precision(cfg.model.dtype, cfg.model.compute_dtype, device)
     dp = shard_for_world(model, cfg.grid.dp_replicate, cfg.grid.dp_shard, compute_dtype=precision.compute_dtype)
     if not getattr(reference, "runs_policy", False):  # a LoRA reference is the policy itself: sharded already
         reference = shard_reference_for_world(reference, dp, compute_dtype=precision.compute_dtype)  # like the policy
-    roles = Roles(data=data, engine=engine, reward=reward, tokenizer=tokenizer)
+    roles = Roles(data=data, engine=engine, reward=reward, tokenizer=tokenizer, vision=sampler)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = PolicyTrainer(model, cfg, objective=objective, pad_id=pad_id, ref_model=reference)
     return Run(cfg, run_dir, log, roles, trainer, resume_identity(cfg), tokenizer, Cells(dp.cell, dp.size))

@@ -27,7 +27,8 @@ def _chunk_logprobs(
     logits_CV = head(hidden_CH).float()
     if softcap is not None:
         logits_CV = softcap * torch.tanh(logits_CV / softcap)
-    logits_CV = logits_CV / temperature
+    if temperature != 1.0:  # x / 1 == x exactly: skip a [C, V] pass (and its backward) at the default
+        logits_CV = logits_CV / temperature
     lse_C1 = torch.logsumexp(logits_CV, dim=-1, keepdim=True)
     return logits_CV.gather(-1, ids_CJ) - lse_C1
 
@@ -42,9 +43,11 @@ def chunked_head_logprobs(
     chunk_tokens: int,
 ) -> Tensor:
     """``out_NJ[n, j] = log p(ids_NJ[n, j])`` under the head applied to ``hidden_NH[n]``, ``chunk_tokens``
-    rows at a time; under autograd each chunk is checkpointed, so backward recomputes its logits."""
+    rows at a time; under autograd each chunk is checkpointed, so backward recomputes its logits.
+    A single chunk is kept instead: backward would recompute it right where memory peaks anyway
+    (its logits and their gradient), so keeping it costs no peak and saves one head forward."""
     needs_grad = hidden_NH.requires_grad or any(p.requires_grad for p in head.parameters())
-    recompute = torch.is_grad_enabled() and needs_grad
+    recompute = torch.is_grad_enabled() and needs_grad and hidden_NH.shape[0] > chunk_tokens
     pieces = []
     for start in range(0, hidden_NH.shape[0], chunk_tokens):
         args = (

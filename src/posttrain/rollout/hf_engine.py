@@ -92,7 +92,8 @@ def warp_logits(scores_BV: torch.Tensor, params: SamplingParams, seen_BV: torch.
             scores_BV > 0, scores_BV / params.repetition_penalty, scores_BV * params.repetition_penalty
         )
         scores_BV = torch.where(seen_BV, penalized, scores_BV)
-    scores_BV = scores_BV / params.temperature
+    if params.temperature != 1.0:  # x / 1 == x exactly: no [B, V] pass at the default temperature
+        scores_BV = scores_BV / params.temperature
     vocab = scores_BV.shape[-1]
     if 0 < params.top_k < vocab:
         kth_B1 = torch.topk(scores_BV, params.top_k, dim=-1).values[:, -1:]
@@ -121,7 +122,8 @@ def draw_tokens(
     else:
         probs_BV = torch.softmax(warp_logits(raw_logits_BV, params, seen_BV), dim=-1)
         ids_B = _inverse_cdf_sample(probs_BV, generator)
-        logprobs_BV = torch.log_softmax(raw_logits_BV / params.temperature, dim=-1)
+        tempered_BV = raw_logits_BV if params.temperature == 1.0 else raw_logits_BV / params.temperature
+        logprobs_BV = torch.log_softmax(tempered_BV, dim=-1)
     return ids_B, logprobs_BV
 
 

@@ -1,5 +1,6 @@
 """What the vLLM rollout engine sends to vLLM and how it reads the answers back: the logprob mode a
-temperature needs, the sampling controls that mode can report, one seeded request per prompt, and
+temperature needs, the sampling controls that mode can report, one request per prompt (seeded per
+prompt, or unseeded when the engine seeds per call: ``rollout/vllm_seeding.py``), and
 ``Completion``s (token ids, sampler logprobs, top-k head) from vLLM's outputs.
 
 Which logprobs vLLM returns is an engine-wide setting (``logprobs_mode``), not a per-request one:
@@ -73,23 +74,35 @@ def call_requests(
     call_index: int,
     eos_ids: list[int],
     record: bool,
+    seed_prompts: bool = True,
 ) -> tuple[list[int], list[Any], list[Any]]:
     """The requests of one ``generate`` call: ``(owners, prompts, requests)``, where ``owners[i]`` is
     the prompt index of request ``i``. One request of ``n`` samples per prompt, except greedy, where
-    vLLM refuses n > 1: the ``n`` identical copies go as ``n`` requests."""
+    vLLM refuses n > 1: the ``n`` identical copies go as ``n`` requests. ``seed_prompts=False``: the
+    requests go unseeded (the engine seeded its generators for the call, ``rollout/vllm_seeding.py``)."""
     from vllm.inputs import TokensPrompt
 
     copies = n if params.temperature <= 0 else 1
     owners = [p for p in range(len(prompt_token_ids)) for _ in range(copies)]
-    requests = [sampling_request(params, n // copies, call_index, p, eos_ids=eos_ids, record=record) for p in owners]
+    requests = [
+        sampling_request(params, n // copies, call_index, p, eos_ids=eos_ids, record=record, seeded=seed_prompts)
+        for p in owners
+    ]
     prompts = [TokensPrompt(prompt_token_ids=list(prompt_token_ids[p])) for p in owners]
     return owners, prompts, requests
 
 
 def sampling_request(
-    params: SamplingParams, n: int, call_index: int, prompt_index: int, *, eos_ids: list[int], record: bool
+    params: SamplingParams,
+    n: int,
+    call_index: int,
+    prompt_index: int,
+    *,
+    eos_ids: list[int],
+    record: bool,
+    seeded: bool = True,
 ) -> Any:
-    """vLLM sampling params for one prompt: its own seed, our EOS ids, no detokenization (the
+    """vLLM sampling params for one prompt: its own seed (unless not ``seeded``), our EOS ids, no detokenization (the
     tokenizer decodes the whole batch at once afterwards), the sampled token's logprob (+ top-k)
     only when ``record``: vLLM builds a logprob entry per token on the host otherwise."""
     from vllm import SamplingParams as VLLMSamplingParams
@@ -101,7 +114,7 @@ def sampling_request(
         top_p=params.top_p,
         top_k=params.top_k if params.top_k > 0 else 0,
         repetition_penalty=params.repetition_penalty,
-        seed=None if params.seed is None else prompt_seed(params.seed, call_index, prompt_index),
+        seed=None if params.seed is None or not seeded else prompt_seed(params.seed, call_index, prompt_index),
         stop_token_ids=eos_ids,
         logprobs=max(params.logprobs_topk, 0) if record else None,
         detokenize=False,
