@@ -42,10 +42,10 @@ def test_shipped_recipes_are_valid(capsys: pytest.CaptureFixture[str], tiny_mode
         (["rl.kl_beta=0.1", "rl.ref.build_ref=true"], ["'rl.kl_beta'", "'rl.ref.build_ref'", "no reference role"]),
         (["rl.score_centering.enabled=true"], ["score centering is a GRPO correction"]),
         (["rl.teacher.name_or_path=null"], ["rl.teacher.name_or_path is required"]),
-        (["rl.teacher.input_mode=shared_vocab_multimodal"], ["takes no media", "input_mode=shared_vocab"]),
+        (["rl.teacher.input_mode=shared_vocab_multimodal"], ["needs a vision-language student", "=shared_vocab"]),
         (["rl.teacher.scoring_temperature=0.7"], ["rl.teacher.scoring_temperature=0.7", "must be 1"]),
         (["rl.teacher.tensor_parallel_size=2"], ["needs grid.backend=ray"]),
-        (["rl.teacher.conditional_think_prefix=<think>"], ["cross_token_text only"]),
+        (["rl.teacher.conditional_think_prefix=<think>"], ["cross_token_text / cross_token_multimodal only"]),
         # direct mode
         (["rl.teacher.top_k=0"], ["rl.teacher.top_k=0", "top-k support"]),
         (["rl.jsd_beta=null"], ["rl.jsd_beta=null", "direct mode needs a beta"]),
@@ -82,7 +82,7 @@ def test_direct_and_same_token_rejections(
         (["rollout.repetition_penalty=1.1"], ["rollout.repetition_penalty=1.1", "DPCA needs 1"]),
         (["rl.temperature=0.9"], ["rl.temperature=0.9", "DPCA needs 1"]),
         (["rl.teacher.input_mode=shared_vocab"], ["signal_mode=dpca with input_mode=shared_vocab"]),
-        (["rl.teacher.input_mode=cross_token_multimodal"], ["takes no media", "input_mode=cross_token_text"]),
+        (["rl.teacher.input_mode=cross_token_multimodal"], ["needs a vision-language student", "=cross_token_text"]),
     ],
 )
 def test_dpca_rejections(

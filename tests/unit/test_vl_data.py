@@ -241,7 +241,7 @@ def test_written_dataset_reads_back_through_paths(tmp_path: Path) -> None:
         assert sample.prompt == original.prompt and sample.ground_truth == original.ground_truth
 
 
-def test_a_run_refuses_image_rows_by_row_until_the_image_path_is_wired() -> None:
+def test_a_text_run_refuses_image_rows_by_row() -> None:
     from posttrain.data.factory import FactorySource
 
     with pytest.raises(DataError, match=r"shape_count_rows row 0: column 'prompt' message 0 content must be a string"):

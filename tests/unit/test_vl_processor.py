@@ -133,14 +133,17 @@ def test_transformers_forward_and_generation_agree_on_image_prompts(vl_dir: str)
     assert (a - b).abs().max() > 1e-4
 
 
-def test_preflight_refuses_a_vision_language_policy_by_name(vl_dir: str, tiny_model_dir: str) -> None:
+def test_preflight_takes_a_vision_language_policy_and_refuses_what_it_cannot_do(
+    vl_dir: str, tiny_model_dir: str
+) -> None:
     from posttrain.config.loading import build_config
     from posttrain.preflight import grpo_preflight
 
     errors = grpo_preflight(build_config(None, [f"model.name_or_path={vl_dir}"])).errors
+    assert not any("vision-language" in e for e in errors), errors
+    errors = grpo_preflight(build_config(None, [f"model.name_or_path={vl_dir}", "rollout.backend=vllm"])).errors
     assert any(
-        f"model.name_or_path={vl_dir} is a vision-language model (qwen3_vl): a run does not take vision-language "
-        "policies yet" in e
+        f"model.name_or_path={vl_dir} is a vision-language model (qwen3_vl): rollout.backend=vllm cannot sample" in e
         for e in errors
     ), errors
     text_errors = grpo_preflight(build_config(None, [f"model.name_or_path={tiny_model_dir}"])).errors

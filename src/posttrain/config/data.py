@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field
 
 from posttrain.config.section import Section
+from posttrain.config.vision import ImageDataConfig
 
 ArithmeticOp = Literal["+", "-", "*"]
 
@@ -55,6 +56,8 @@ class DataConfig(Section):
     """Arithmetic generator: operators to draw from."""
     arithmetic_template: str = "What is {a} {op} {b}? Reply with only the number."
     """Arithmetic generator: the question, with ``{a}``, ``{op}`` and ``{b}`` filled in."""
+    images: ImageDataConfig = Field(default_factory=ImageDataConfig)
+    """Rows with images, for a vision-language policy (``config/vision.py``, docs/multimodal.md)."""
 
     @property
     def kind(self) -> Literal["arithmetic", "jsonl", "file", "dataset", "factory"]:

@@ -9,7 +9,9 @@ unknown key whose message says why (``unknown_key_hints``). OPD's cross-field ru
 ``posttrain.preflight.opd`` before any model loads (and under ``--validate-manifest``). Nothing here
 imports torch.
 
-Valid teacher combinations (text models):
+Valid teacher combinations (text models; the ``*_multimodal`` twins, ``shared_vocab_multimodal``
+and ``cross_token_multimodal``, take the same signal and objective with a vision-language student
+and teacher: docs/multimodal.md, "Multimodal OPD"):
 
 | ``input_mode``      | ``signal_mode`` | ``distillation_mode`` | what it is                                   |
 | ------------------- | --------------- | --------------------- | -------------------------------------------- |
@@ -49,8 +51,9 @@ class TeacherConfig(Section):
     """``shared_vocab``: the teacher shares the student's tokenizer and scores the student's token ids
     verbatim. ``cross_token_text``: the teacher renders the prompt with its own tokenizer and chat
     template, tokenizes the student's completion text itself, and the two tokenizations are aligned
-    (DPCA). The ``*_multimodal`` modes of the spec need media inputs, which posttrain (text models)
-    does not take; they are refused with that explanation."""
+    (DPCA). ``shared_vocab_multimodal`` / ``cross_token_multimodal``: the same two with a
+    vision-language student and teacher (Qwen3-VL) and image prompts; the teacher renders its own
+    image prefix from the same ordered raw images (docs/multimodal.md, "Multimodal OPD")."""
     signal_mode: SignalMode = "topk"
     """``topk``: per position the teacher's top-k ids and logprobs (same tokenizer only). ``dpca``:
     the teacher's logprobs of its own realized tokens, aligned into text chunks."""
@@ -60,16 +63,23 @@ class TeacherConfig(Section):
     """Temperature of the teacher's scoring distribution. Must be 1: the forced-sequence scoring
     path returns raw logprobs, so another value would not temperature-scale the teacher."""
     conditional_think_prefix: str | None = None
-    """Text inserted exactly once after the teacher's generation prompt (``cross_token_text`` only),
+    """Text inserted exactly once after the teacher's generation prompt (the ``cross_token_*`` modes),
     e.g. ``"<think>\\n\\n</think>\\n\\n"``. An empty closed think block the teacher's template already
     emitted is removed first; missing, duplicate or misplaced conditioning fails before scoring."""
     use_chat_template: bool = True
-    """Render the teacher's prompt with its own chat template (``cross_token_text``)."""
+    """Render the teacher's prompt with its own chat template (``cross_token_text``; the multimodal
+    modes always do: the template writes the image markers)."""
     max_model_len: int | None = Field(None, ge=16)
     """Longest teacher sequence (prompt + completion); a longer request fails the batch. ``null``:
     the teacher model's own limit."""
     tensor_parallel_size: int = Field(1, ge=1)
-    """Teacher ranks. More than 1 needs ``grid.backend=ray``; the local backend is TP 1."""
+    """Teacher ranks per replica (one GPU each, vLLM tensor parallelism inside the replica). More
+    than 1 needs ``grid.backend=ray`` and ``rl.teacher.backend=vllm``; the local backend is TP 1."""
+    replicas: int = Field(1, ge=1)
+    """Teacher replicas under ``grid.backend=ray`` (docs/distributed.md): each is an actor group of
+    ``tensor_parallel_size`` ranks on GPUs of its own, and every step's scoring requests, batched
+    from all policy ranks, are split over the live replicas. The local backend has one in-process
+    teacher per policy rank: 1 only."""
     gpu_memory_utilization: float = Field(0.2, gt=0.0, le=1.0)
     """GPU memory fraction of the vLLM teacher (``backend=vllm``)."""
     moe_backend: str = Field("auto", min_length=1)
@@ -204,7 +214,13 @@ class OPDConfig(RunConfig):
             "conditional_think_prefix": t.conditional_think_prefix,
             "use_chat_template": t.use_chat_template,
         }
-        return {"teacher": {**knobs, "model": teacher_fingerprint(t.name_or_path)}}
+        teacher: dict[str, object] = {**knobs, "model": teacher_fingerprint(t.name_or_path)}
+        if t.input_mode.endswith("_multimodal"):  # only then, so text OPD identities stay as they were
+            from posttrain.config.opd_media import media_cardinality, media_identity
+
+            media = media_identity(t.name_or_path) or {}
+            teacher["media"] = {**media, **media_cardinality(rl.data.images.max_per_row)}
+        return {"teacher": teacher}
 
 
 # Files that define how a teacher tokenizes, renders and is configured; they are hashed whole.

@@ -108,6 +108,9 @@ class ModelConfig(Section):
     """Tokens per chunk when computing per-token logprobs; bounds the fp32 [tokens, vocab] buffer."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """Train low-rank adapters instead of every weight (``config/lora.py``, docs/lora.md); off by default."""
+    freeze_vision_tower: bool = False
+    """Vision-language policy: keep the vision tower and its merger fixed (out of the optimizer); the
+    language model still trains (docs/multimodal.md). Refused for a text model."""
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -137,9 +140,13 @@ class RolloutConfig(Section):
     """Repetition penalty, in [0.01, 100]; 1 disables it. Seen tokens' logits are divided (positive)
     or multiplied (negative) by it, so outside this range they overflow or vanish like a temperature."""
     seed: int | None = Field(0, ge=0, lt=SEED_BOUND)
-    """Sampling seed, in [0, 2**63): decides which completions are drawn for a prompt (vLLM: one seeded stream per
-    prompt, so a resumed run draws what the uninterrupted one drew). ``null``: not seeded, which
-    vLLM samples faster (docs/benchmarks.md)."""
+    """Sampling seed, in [0, 2**63): decides what each ``generate`` call draws, so a resumed run draws
+    what the uninterrupted one drew. vLLM seeds each prompt's request (``rollout.per_prompt_seeds``;
+    docs/vllm.md). ``null``: not seeded."""
+    per_prompt_seeds: bool = True
+    """vLLM: a request seed per prompt. ``false``: the engine's generators seeded once per call
+    instead (CPU build only, in-process, on-policy, TP 1: it replays there; on CUDA vLLM 0.24 it did
+    not, so a CUDA engine refuses it; docs/vllm.md "Seeding")."""
     sampler_logprobs_every: int = Field(1, ge=0)
     """vLLM: record the sampler's logprob of each generated token only when sampling with the
     weights of every N-th optimizer step (the initial weights included); 0: never. Recording them

@@ -52,10 +52,16 @@ def reads_jsonl(path: str) -> bool:
     return fmt == "jsonl" or (fmt == "json" and not json_holds_list(path))
 
 
-def build_data_source(data_cfg: DataConfig, data_seed: int) -> DataSource:
-    """The source ``data_cfg`` selects, seeded with ``data_seed`` (``rl.seed`` or ``rollout.seed``)."""
+def build_data_source(data_cfg: DataConfig, data_seed: int, *, images: bool = False) -> DataSource:
+    """The source ``data_cfg`` selects, seeded with ``data_seed`` (``rl.seed`` or ``rollout.seed``).
+    ``images``: the policy is a vision-language model, whose rows may carry images
+    (``data/vision_source.py``; the arithmetic generator stays the text one)."""
     if problems := _knob_problems(data_cfg):
         raise DataError(problems[0])
+    if images and data_cfg.kind != "arithmetic":
+        from posttrain.data.vision_source import build_image_source
+
+        return build_image_source(data_cfg, data_seed)
     items_fn = resolve_items_fn(data_cfg)
     common: dict[str, Any] = {
         "prompt_column": data_cfg.prompt_column,
@@ -86,6 +92,11 @@ def build_data_source(data_cfg: DataConfig, data_seed: int) -> DataSource:
         template=data_cfg.arithmetic_template,
         system_prompt=data_cfg.system_prompt,
     )
+
+
+def source_knob_problems(data_cfg: DataConfig) -> list[str]:
+    """Settings of ``rl.data`` that contradict each other, found before anything is read."""
+    return _knob_problems(data_cfg)
 
 
 def _knob_problems(data_cfg: DataConfig) -> list[str]:

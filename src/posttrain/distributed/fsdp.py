@@ -101,6 +101,14 @@ def shard_policy(model: nn.Module, mesh: DeviceMesh, *, mp_policy: MixedPrecisio
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
     fully_shard([embedding, head], mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    visual_owner = getattr(model, "model", None)
+    visual = getattr(visual_owner, "visual", None)
+    if isinstance(visual, nn.Module) and isinstance(visual_owner, nn.Module):
+        # A vision-language policy (Qwen3-VL): the trainer runs the multimodal body (model.model:
+        # vision tower, merger, language model; policy/images.py) first, so that is the root unit,
+        # and the tower is one unit of its own.
+        fully_shard(visual, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+        body = visual_owner
     fully_shard(body, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -76,6 +76,13 @@ def shard_reference(reference: nn.Module, mesh: DeviceMesh) -> None:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(embedding, mesh=mesh, reshard_after_forward=True)
     fully_shard(head, mesh=mesh, reshard_after_forward=False)  # called once per logprob chunk
+    owner = getattr(reference, "model", None)
+    visual = getattr(owner, "visual", None)
+    if isinstance(visual, nn.Module) and isinstance(owner, nn.Module):
+        # A vision-language reference (Qwen3-VL): its multimodal body runs first (policy/images.py),
+        # so it is the root, and the vision tower is a unit of its own (as for the policy, fsdp.py).
+        fully_shard(visual, mesh=mesh, reshard_after_forward=True)
+        body = owner
     fully_shard(body, mesh=mesh, reshard_after_forward=False)
     reference.requires_grad_(False)  # fully_shard re-wraps the parameters: keep them frozen
     plain = [name for name, p in reference.named_parameters() if not isinstance(p, DTensor)]

@@ -26,10 +26,13 @@ from posttrain.distributed.world import gather_objects, is_rank_zero, merge_rank
 from posttrain.loop.dynamic_sampling import DrawFn, ScoredGroup, collect_dynamic_for
 from posttrain.metrics.completions import CompletionsLog
 from posttrain.models.chat import render_prompt_ids
+from posttrain.models.vision import VisionPrompt
+from posttrain.policy.images import ImageInputs
 from posttrain.policy.train_batch import RoutingTrace, SamplerHead, TrainBatch
 from posttrain.rewards.base import Reward, RewardInput
 from posttrain.rewards.combined import score_parts
 from posttrain.rollout.base import Completion, RolloutBatch, RolloutEngine, SamplingParams
+from posttrain.rollout.vl_sampling import ImagePromptSampler
 
 
 @dataclass
@@ -43,6 +46,8 @@ class Collected:
     reward_parts_NG: dict[str, torch.Tensor] = field(default_factory=dict)
     """Each reward's own scores by metric key, in float64 (exactly as returned); ``rewards_NG`` is
     their weighted sum (float32)."""
+    vision: list[VisionPrompt] | None = None
+    """A vision-language policy: each prompt as rendered (token ids, pixel values, image grids)."""
 
 
 @dataclass
@@ -53,6 +58,8 @@ class Roles:
     engine: RolloutEngine
     reward: Reward
     tokenizer: Any
+    vision: ImagePromptSampler | None = None
+    """A vision-language policy's renderer and sampler (None: a text policy)."""
 
 
 def sampling_params(cfg: RunConfig, cell: int = 0) -> SamplingParams:
@@ -72,12 +79,15 @@ def sampling_params(cfg: RunConfig, cell: int = 0) -> SamplingParams:
     )
 
 
-def generate_and_score(
-    cfg: RunConfig, roles: Roles, prompts: list[PromptSample], n: int, params: SamplingParams, *, uid_prefix: str = ""
-) -> tuple[RolloutBatch, list[float], dict[str, list[float]]]:
-    """Render ``prompts``, sample ``n`` completions each and score them: the rollout, the weighted
-    reward of each completion (prompt-major) and each reward's own scores. Training and evaluation
-    both sample through here; completion ``j`` of a prompt is scored as sample ``<uid>#j``."""
+def render_and_generate(
+    cfg: RunConfig, roles: Roles, prompts: list[PromptSample], n: int, params: SamplingParams
+) -> tuple[RolloutBatch, list[VisionPrompt] | None]:
+    """Render ``prompts`` and sample ``n`` completions each; with a vision-language policy the
+    prompts are rendered with their images (``roles.vision``), which are returned too."""
+    if roles.vision is not None:
+        vision = roles.vision
+        rendered = [vision.render(p.prompt, where=f"sample {p.uid}") for p in prompts]
+        return vision.generate(roles.engine, rendered, n, params), rendered
     prompt_ids = [
         render_prompt_ids(
             roles.tokenizer,
@@ -87,7 +97,24 @@ def generate_and_score(
         )
         for p in prompts
     ]
-    rollout = roles.engine.generate(prompt_ids, n, params)
+    return roles.engine.generate(prompt_ids, n, params), None
+
+
+def generate_and_score(
+    cfg: RunConfig, roles: Roles, prompts: list[PromptSample], n: int, params: SamplingParams, *, uid_prefix: str = ""
+) -> tuple[RolloutBatch, list[float], dict[str, list[float]]]:
+    """Render ``prompts``, sample ``n`` completions each and score them: the rollout, the weighted
+    reward of each completion (prompt-major) and each reward's own scores. Training and evaluation
+    both sample through here; completion ``j`` of a prompt is scored as sample ``<uid>#j``."""
+    rollout, _ = render_and_generate(cfg, roles, prompts, n, params)
+    scores, per_reward = score_rollout(roles, prompts, rollout, n, uid_prefix=uid_prefix)
+    return rollout, scores, per_reward
+
+
+def score_rollout(
+    roles: Roles, prompts: list[PromptSample], rollout: RolloutBatch, n: int, *, uid_prefix: str = ""
+) -> tuple[list[float], dict[str, list[float]]]:
+    """The weighted reward of each completion of ``rollout`` (prompt-major) and each reward's own scores."""
     inputs = [
         RewardInput(
             prompt=prompts[c.prompt_index].prompt,
@@ -99,21 +126,21 @@ def generate_and_score(
         for c in rollout.completions
     ]
     uids = [f"{uid_prefix}{prompts[c.prompt_index].uid}#{k % n}" for k, c in enumerate(rollout.completions)]
-    scores, per_reward = score_parts(roles.reward, inputs, uids)
-    return rollout, scores, per_reward
+    return score_parts(roles.reward, inputs, uids)
 
 
 def sample_and_score(cfg: RunConfig, roles: Roles, prompts: list[PromptSample], cell: int = 0) -> Collected:
     """Sample ``group_size`` completions for each of ``prompts``, score them, compute advantages."""
     rl = cfg.rl
-    rollout, scores, per_reward = generate_and_score(cfg, roles, prompts, rl.group_size, sampling_params(cfg, cell))
+    rollout, vision = render_and_generate(cfg, roles, prompts, rl.group_size, sampling_params(cfg, cell))
+    scores, per_reward = score_rollout(roles, prompts, rollout, rl.group_size)
     rewards_NG = torch.tensor(scores, dtype=torch.float32).view(len(prompts), rl.group_size)
     # Advantages are computed on the whole group here, before any completion is masked out of the loss.
     advantages_NG = group_advantages(rewards_NG, unbiased=rl.unbiased_advantage, eps=rl.advantage_eps)
     parts_NG = {
         k: torch.tensor(v, dtype=torch.float64).view(len(prompts), rl.group_size) for k, v in per_reward.items()
     }
-    return Collected(prompts, rollout, rewards_NG, advantages_NG, parts_NG)
+    return Collected(prompts, rollout, rewards_NG, advantages_NG, parts_NG, vision)
 
 
 @dataclass
@@ -127,6 +154,7 @@ class GroupPayload:
     advantages_G: torch.Tensor
     stats: dict[str, float]
     reward_parts_G: dict[str, torch.Tensor] = field(default_factory=dict)
+    vision: VisionPrompt | None = None
 
 
 def split_groups(collected: Collected, group_size: int) -> list[ScoredGroup]:
@@ -144,6 +172,7 @@ def split_groups(collected: Collected, group_size: int) -> list[ScoredGroup]:
                 advantages_G=collected.advantages_NG[i],
                 stats=collected.rollout.stats,
                 reward_parts_G={k: v[i] for k, v in collected.reward_parts_NG.items()},
+                vision=collected.vision[i] if collected.vision is not None else None,
             ),
         )
         for i in range(len(collected.prompts))
@@ -163,6 +192,7 @@ def join_groups(groups: list[GroupPayload]) -> Collected:
         rewards_NG=torch.stack([g.rewards_G for g in groups]),
         advantages_NG=torch.stack([g.advantages_G for g in groups]),
         reward_parts_NG={k: torch.stack([g.reward_parts_G[k] for g in groups]) for k in groups[0].reward_parts_G},
+        vision=[g.vision for g in groups if g.vision is not None] if groups[0].vision is not None else None,
     )
 
 
@@ -226,6 +256,10 @@ def to_train_batch(cfg: RunConfig, collected: Collected) -> TrainBatch:
     routing = None
     if cfg.rl.routing_replay == "rollout":  # the vLLM engine put each completion's experts there
         routing = RoutingTrace([c.extra["routed_experts"] for c in completions])
+    images = None
+    if collected.vision is not None:  # each completion carries its prompt's (shared, not copied) tensors
+        pixels = [collected.vision[c.prompt_index].pixel_values_P for c in completions]
+        images = ImageInputs(pixels, [collected.vision[c.prompt_index].image_grid_thw_I3 for c in completions])
     return TrainBatch(
         prompt_ids=[collected.rollout.prompt_token_ids[c.prompt_index] for c in completions],
         completion_ids=[c.token_ids for c in completions],
@@ -235,6 +269,7 @@ def to_train_batch(cfg: RunConfig, collected: Collected) -> TrainBatch:
         group_size=cfg.rl.group_size,
         sampler_head=head,
         routing=routing,
+        images=images,
     )
 
 
@@ -298,7 +333,7 @@ def completion_rows(collected: Collected) -> list[dict[str, Any]]:
         rows.append(
             {
                 "uid": f"{prompt.uid}#{b % group}",
-                "prompt": prompt.prompt,
+                "prompt": prompt.prompt if collected.vision is None else _logged_prompt(prompt.prompt),
                 "completion": c.text,
                 "completion_tokens": len(c.token_ids),
                 "rewards": {k: v[b] for k, v in parts_B.items()},
@@ -308,6 +343,24 @@ def completion_rows(collected: Collected) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _logged_prompt(prompt: Any) -> Any:
+    """A multimodal prompt with each image's bytes replaced by their size (the log stays small)."""
+    if not isinstance(prompt, list):
+        return prompt
+    return [
+        {
+            **msg,
+            "content": [
+                {"type": "image", "image": f"<{len(part['image'])} bytes>"} if part.get("type") == "image" else part
+                for part in msg["content"]
+            ]
+            if isinstance(msg.get("content"), list)
+            else msg.get("content"),
+        }
+        for msg in prompt
+    ]
 
 
 def distribution_metrics(

@@ -134,7 +134,7 @@ def build_evaluator(cfg: RunConfig, roles: Roles) -> Evaluator | None:
     rng = capture_rng()
     try:
         # A source object of its own: drawing from the training source would move training's cursor.
-        source = build_data_source(ev.data, eval_seed(cfg))
+        source = build_data_source(ev.data, eval_seed(cfg), images=roles.vision is not None)
         prompts = source.next_batch(ev.num_prompts)
     finally:
         restore_rng(rng)

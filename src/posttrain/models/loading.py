@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from posttrain.errors import ConfigError
+from posttrain.models.cpu_attention import use_grouped_sdpa_on_cpu
 from posttrain.models.embedded import embedded_model_dir, known_embedded_models
 from posttrain.models.hub import cached_snapshot, is_hub_id, resolve_hub_model, revision_key
 from posttrain.models.precision import resolve_precision
@@ -142,15 +143,21 @@ def load_model_and_tokenizer(
     """Load the model ``model.name_or_path`` at ``model.revision`` names on ``model.device`` with its
     parameters in ``model.dtype`` (``auto``: fp32, the master weights of mixed precision; see
     ``models/precision.py``) in eval mode, and its tokenizer; ``key`` names the setting in errors."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from posttrain.models.vision import vision_model_type
 
     path = resolve_model_path(model_cfg.name_or_path, model_cfg.revision, key=key)
     device = resolve_device(model_cfg.device)
     dtype = resolve_precision(model_cfg.dtype, model_cfg.compute_dtype, device).param_dtype
     tokenizer = load_tokenizer(path)
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    # A vision-language directory (config.json with a vision_config, Qwen3-VL) loads with its vision
+    # tower; AutoModelForCausalLM would build the text decoder alone (docs/multimodal.md).
+    auto = AutoModelForImageTextToText if vision_model_type(path) is not None else AutoModelForCausalLM
+    model: Any = auto.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.to(device)
     model.eval()
+    use_grouped_sdpa_on_cpu()  # no key/value copies per attention call on a CPU (models/cpu_attention.py)
     if model_cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with inputs that do not require grad (frozen embeddings).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

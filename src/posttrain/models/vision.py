@@ -63,10 +63,33 @@ class VisionPrompt:
     input_ids: list[int]
     pixel_values_P: torch.Tensor | None
     image_grid_thw_I3: torch.Tensor | None
+    images: tuple[Any, ...] = ()
+    """The decoded (PIL) images in order: what a vLLM engine is sent (it runs its own processor
+    and its expansion is checked against ``input_ids``, ``rollout/vllm_images.py``)."""
 
     def mm_token_type_ids(self, image_pad_id: int) -> list[int]:
         """1 where a token is an image pad, 0 elsewhere."""
         return [1 if t == image_pad_id else 0 for t in self.input_ids]
+
+
+VISION_MODEL_TYPES = frozenset({"qwen3_vl"})
+"""``config.json`` ``model_type``s a run trains as a vision-language policy (the MoE variant,
+``qwen3_vl_moe``, comes with the MoE work)."""
+
+
+def vision_model_type(model_dir: str | Path) -> str | None:
+    """The ``model_type`` of a vision-language model directory (its ``config.json`` has a
+    ``vision_config``: Qwen3-VL and its relatives), None for a text model or a directory without a
+    readable ``config.json``. Reads JSON only (the preflight asks before anything loads)."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or not isinstance(config.get("vision_config"), dict):
+        return None
+    return str(config.get("model_type") or "unknown")
 
 
 def image_parts(messages: Sequence[Mapping[str, Any]]) -> list[bytes]:
@@ -105,14 +128,16 @@ class VisionProcessor:
         self.vision_start_id, self.vision_end_id, self.image_pad_id, self.video_pad_id = ids
 
     @classmethod
-    def from_dir(cls, path: str) -> VisionProcessor:
-        """The processor of a model directory holding a tokenizer and ``preprocessor_config.json``."""
+    def from_dir(cls, path: str, tokenizer: Any = None) -> VisionProcessor:
+        """The processor of a model directory holding a tokenizer and ``preprocessor_config.json``
+        (``tokenizer``: that directory's tokenizer, already loaded)."""
         from transformers import AutoTokenizer
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         if not (Path(path) / "preprocessor_config.json").is_file():
             raise ConfigError([f"model directory {path} holds no preprocessor_config.json: it has no image processor"])
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(tokenizer, Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True))
 
     def image_width(self, grid_thw: Sequence[int]) -> int:
@@ -139,7 +164,10 @@ class VisionProcessor:
         out = self.image_processor(images=pil, return_tensors="pt")
         grid = out["image_grid_thw"]
         return VisionPrompt(
-            self.expand(ids, [self.image_width(g) for g in grid.tolist()], where), out["pixel_values"], grid
+            self.expand(ids, [self.image_width(g) for g in grid.tolist()], where),
+            out["pixel_values"],
+            grid,
+            tuple(pil),
         )
 
     def expand(self, ids: Sequence[int], widths: Sequence[int], where: str = "prompt") -> list[int]:

@@ -138,6 +138,62 @@ def vl_completion_logprobs(
 ) -> Tensor:
     """``logprobs_BT[b, t] = log p(completion token t of row b | its prompt, its images, the tokens before)``,
     from ``logits / temperature`` in fp32, 0 where ``completion_mask_BT`` is 0."""
+    out_NJ = _vl_head_logprobs(
+        model,
+        batch,
+        images,
+        None,
+        image_pad_id=image_pad_id,
+        merge_size=merge_size,
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
+    )
+    rows, width = batch.completion_ids_BT.shape
+    return out_NJ.new_zeros((rows, width)).index_put((batch.row_N, batch.col_N), out_NJ[:, 0])
+
+
+def vl_completion_logprobs_at(
+    model: Any,
+    batch: PolicyBatch,
+    images: ImageInputs,
+    head_ids_BTK: Tensor,
+    *,
+    image_pad_id: int,
+    merge_size: int,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+) -> tuple[Tensor, Tensor]:
+    """``vl_completion_logprobs`` plus the logprobs at ``head_ids_BTK`` (an OPD teacher's top-k ids)
+    from the same forward: the chunked LM head gathers K + 1 columns per token, as on the text path."""
+    out_NJ = _vl_head_logprobs(
+        model,
+        batch,
+        images,
+        head_ids_BTK,
+        image_pad_id=image_pad_id,
+        merge_size=merge_size,
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
+    )
+    rows, width = batch.completion_ids_BT.shape
+    b_N, t_N = batch.row_N, batch.col_N
+    logprobs_BT = out_NJ.new_zeros((rows, width)).index_put((b_N, t_N), out_NJ[:, 0])
+    head_BTK = out_NJ.new_zeros((rows, width, out_NJ.shape[1] - 1)).index_put((b_N, t_N), out_NJ[:, 1:])
+    return logprobs_BT, head_BTK
+
+
+def _vl_head_logprobs(
+    model: Any,
+    batch: PolicyBatch,
+    images: ImageInputs,
+    head_ids_BTK: Tensor | None,
+    *,
+    image_pad_id: int,
+    merge_size: int,
+    temperature: float,
+    chunk_tokens: int,
+) -> Tensor:
+    """``out_NJ``: per completion token, its own logprob (column 0) and those at ``head_ids_BTK``."""
     if temperature <= 0:
         raise ValueError(f"rl.temperature must be > 0, got {temperature}")
     body, head = multimodal_body_and_head(model)
@@ -146,12 +202,12 @@ def vl_completion_logprobs(
     hidden_NH = out.last_hidden_state.flatten(0, 1)[batch.source_N]
     b_N, t_N = batch.row_N, batch.col_N
     ids_NJ = batch.completion_ids_BT[b_N, t_N].unsqueeze(-1)
+    if head_ids_BTK is not None:
+        ids_NJ = torch.cat([ids_NJ, head_ids_BTK[b_N, t_N].long()], dim=-1)
     softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-    out_NJ = chunked_head_logprobs(
+    return chunked_head_logprobs(
         hidden_NH, ids_NJ, head, temperature=temperature, softcap=softcap, chunk_tokens=chunk_tokens
     )
-    rows, width = batch.completion_ids_BT.shape
-    return out_NJ.new_zeros((rows, width)).index_put((b_N, t_N), out_NJ[:, 0])
 
 
 def row_images(images: ImageInputs | None, rows: list[int]) -> ImageInputs | None:

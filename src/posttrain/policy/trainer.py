@@ -24,7 +24,14 @@ from posttrain.distributed.fsdp import DataParallel, first_nonfinite, largest_en
 from posttrain.errors import PosttrainError, TrainingError
 from posttrain.models.precision import compute_autocast, dtype_name, resolve_precision
 from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_micro_batches
-from posttrain.policy.images import SHARED_PROMPT_REFUSAL, ImageInputs, image_layout, row_images, vl_completion_logprobs
+from posttrain.policy.images import (
+    SHARED_PROMPT_REFUSAL,
+    ImageInputs,
+    image_layout,
+    row_images,
+    vl_completion_logprobs,
+    vl_completion_logprobs_at,
+)
 from posttrain.policy.logprobs import check_packing_isolates, completion_logprobs
 from posttrain.policy.objective import Objective, objective_spec
 from posttrain.policy.optim import build_optimizer, build_scheduler
@@ -256,12 +263,26 @@ class PolicyTrainer:
         self.model.train(was_training)
         return [t for t in old if t is not None]
 
-    def _logprobs_at(self, pb: PolicyBatch | GroupedBatch, ids_BTK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs_at(
+        self, pb: PolicyBatch | GroupedBatch, ids_BTK: torch.Tensor, images: ImageInputs | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The current logprobs and the current policy's logprobs at ``ids_BTK`` (both with gradient),
         from one forward on the plain path (the chunked LM head gathers K + 1 columns)."""
         if not isinstance(pb, PolicyBatch):
             raise TypeError("logprobs at extra ids need the plain PolicyBatch (see _decide_sharing)")
         with self._compute(self.model), self.routing.pinned(self.model):
+            if images is not None:  # a vision-language student (multimodal OPD): policy/images.py
+                pad, merge = image_layout(self.model)
+                return vl_completion_logprobs_at(
+                    self.model,
+                    pb,
+                    images,
+                    ids_BTK,
+                    image_pad_id=pad,
+                    merge_size=merge,
+                    temperature=self.cfg.rl.temperature,
+                    chunk_tokens=self.cfg.model.logprob_chunk_tokens,
+                )
             out = completion_logprobs(
                 self.model,
                 pb,
@@ -280,8 +301,8 @@ class PolicyTrainer:
         head and the policy's logprobs there (score centering), or the teacher's top-k logprobs and
         the student's at the same ids (direct distillation)."""
         width = pb.completion_ids_BT.shape[1]
-        if batch.images is not None and (self.objective.sampler_head or self.objective.teacher_topk):
-            raise TrainingError("score centering and direct distillation do not take image prompts yet")
+        if batch.images is not None and self.objective.sampler_head:
+            raise TrainingError("score centering does not take image prompts yet")
         if self.objective.sampler_head:
             ids_BTK, sampler_BTK = sampler_head_tensors(batch, rows, width, self.device)
             # padding ids gather id 0; they stay invalid through ids_BTK
@@ -294,7 +315,7 @@ class PolicyTrainer:
             return logprobs_BT, heads
         if self.objective.teacher_topk:
             teacher_ids_BTK, teacher_BTK = teacher_topk_tensors(batch, rows, width, self.device)
-            logprobs_BT, student_BTK = self._logprobs_at(pb, teacher_ids_BTK)
+            logprobs_BT, student_BTK = self._logprobs_at(pb, teacher_ids_BTK, row_images(batch.images, rows))
             return logprobs_BT, {"teacher_topk_logprobs_BTK": teacher_BTK, "student_topk_logprobs_BTK": student_BTK}
         return self._logprobs(self.model, pb, row_images(batch.images, rows)), {}
 

@@ -27,7 +27,7 @@ from posttrain.preflight.grid import check_grid
 from posttrain.preflight.lora import check_lora
 from posttrain.preflight.paths import check_model_path, check_resume, check_run_dir
 from posttrain.preflight.upload import check_upload
-from posttrain.preflight.vision import check_vision_policy
+from posttrain.preflight.vision import check_vision_data, check_vision_policy, vision_policy_type
 
 DR_GRPO_EPS_LIMIT = 1e-7
 # What every RewardInput carries whatever the data source (the rollout fills them): a reward may
@@ -141,8 +141,6 @@ def check_rollout_backend(cfg: RunConfig, out: Findings) -> None:
                     f"rollout.backend=vllm reports temperature-{ro.temperature} logprobs only without warping: "
                     "set rollout.temperature=1, or rollout.top_p=1, rollout.top_k=-1, rollout.repetition_penalty=1"
                 )
-            if ro.tensor_parallel_size > 1:
-                out.errors.append("rollout.backend=vllm: rollout.tensor_parallel_size > 1 is not supported yet; use 1")
     check_separate_engine_process(cfg, out)
     check_weight_sync(cfg, out)
 
@@ -239,11 +237,12 @@ def check_data_and_reward(cfg: RunConfig, out: Findings) -> None:
     from posttrain.data.build import check_data_config, provided_fields
     from posttrain.rewards.registry import reward_requires
 
-    data_problems = check_data_config(cfg.rl.data)
+    vision = vision_policy_type(cfg) is not None  # image rows, read by the image row rules (every row)
+    data_problems = check_vision_data(cfg) if vision else check_data_config(cfg.rl.data)
     out.errors.extend(data_problems)
     if cfg.rl.data.kind == "arithmetic" and not any("arithmetic_template" in p for p in data_problems):
         check_arithmetic_template(cfg, out)
-    if not data_problems:  # every row of a local file: its fields, ground truths and prompt lengths
+    if not data_problems and not vision:  # every row of a local file: its fields, ground truths and prompt lengths
         from posttrain.data.rows import check_rows
 
         out.errors.extend(check_rows(cfg))

@@ -23,12 +23,16 @@ def _as_eval(problem: str) -> str:
 def _eval_data_problems(cfg: RunConfig) -> list[str]:
     from posttrain.data.build import check_data_config
     from posttrain.data.rows import check_rows
+    from posttrain.preflight.vision import check_vision_data, vision_policy_type
 
+    # The row passes read rl.data: hand them a copy of the config whose prompt source is the eval one.
+    as_train = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"data": cfg.rl.eval.data})})
+    if vision_policy_type(cfg) is not None:  # a vision-language policy: the image row rules (every row)
+        found = [_as_eval(p) for p in check_vision_data(as_train)]
+        return [p if p.startswith("rl.eval") else f"rl.eval.data: {p}" for p in found]
     problems = [_as_eval(p) for p in check_data_config(cfg.rl.eval.data)]
     if problems:
         return problems
-    # The row pass reads rl.data: hand it a copy of the config whose prompt source is the eval one.
-    as_train = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"data": cfg.rl.eval.data})})
     rows = [_as_eval(p) for p in check_rows(as_train)]
     return [p if p.startswith("rl.eval") else f"rl.eval.data: {p}" for p in rows]
 

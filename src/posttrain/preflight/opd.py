@@ -14,7 +14,13 @@ from posttrain.config.opd import OPDConfig
 from posttrain.errors import ConfigError
 from posttrain.preflight.common import check_shared_objective, run_checks
 from posttrain.preflight.findings import Findings
+from posttrain.preflight.opd_media import media_problems
 from posttrain.preflight.paths import check_model_path
+
+
+def _cross_mode(input_mode: str) -> str:
+    """The cross-tokenizer input mode of the same modality as ``input_mode``."""
+    return "cross_token_multimodal" if input_mode.endswith("_multimodal") else "cross_token_text"
 
 
 def _neutral_sampling_problems(cfg: OPDConfig, why: str) -> list[str]:
@@ -36,12 +42,7 @@ def _teacher_problems(cfg: OPDConfig) -> list[str]:
     problems = []
     if t.name_or_path is None:
         problems.append("rl.teacher.name_or_path is required: the teacher model directory")
-    if t.input_mode.endswith("_multimodal"):
-        plain = t.input_mode.removesuffix("_multimodal").replace("cross_token", "cross_token_text")
-        problems.append(
-            f"rl.teacher.input_mode={t.input_mode}: posttrain trains text models and takes no media; "
-            f"use rl.teacher.input_mode={plain}"
-        )
+    problems.extend(media_problems(cfg))  # the *_multimodal modes (preflight/opd_media.py)
     if t.scoring_temperature != 1.0:
         problems.append(
             f"rl.teacher.scoring_temperature={t.scoring_temperature}: must be 1 (the forced-sequence scoring "
@@ -52,10 +53,28 @@ def _teacher_problems(cfg: OPDConfig) -> list[str]:
             f"rl.teacher.tensor_parallel_size={t.tensor_parallel_size} needs grid.backend=ray; the local "
             "backend supports only TP 1"
         )
-    if t.conditional_think_prefix is not None and t.input_mode != "cross_token_text":
+    problems.extend(_teacher_pool_problems(cfg))
+    if t.conditional_think_prefix is not None and not t.input_mode.startswith("cross_token"):
         problems.append(
-            "rl.teacher.conditional_think_prefix applies to input_mode=cross_token_text only (the same-vocabulary "
-            "teacher scores the student's own prompt tokens verbatim)"
+            "rl.teacher.conditional_think_prefix applies to input_mode=cross_token_text / cross_token_multimodal "
+            "only (the same-vocabulary teacher scores the student's own prompt tokens verbatim)"
+        )
+    return problems
+
+
+def _teacher_pool_problems(cfg: OPDConfig) -> list[str]:
+    """The teacher role's shape (``teacher/pool.py``): replicas need Ray, tensor parallelism vLLM."""
+    t, problems = cfg.rl.teacher, []
+    if t.replicas > 1 and cfg.grid.backend != "ray":
+        problems.append(
+            f"rl.teacher.replicas={t.replicas} needs grid.backend=ray (a teacher pool of its own); under "
+            "grid.backend=local the teacher is one in-process TP-1 scorer per policy rank: use rl.teacher.replicas=1"
+        )
+    if t.tensor_parallel_size > 1 and t.backend != "vllm":
+        problems.append(
+            f"rl.teacher.tensor_parallel_size={t.tensor_parallel_size} with rl.teacher.backend={t.backend}: the "
+            "transformers teacher has no tensor parallelism; use rl.teacher.backend=vllm (one engine over the "
+            "replica's ranks) or rl.teacher.tensor_parallel_size=1 with more rl.teacher.replicas"
         )
     return problems
 
@@ -74,7 +93,8 @@ def _mode_problems(cfg: OPDConfig) -> list[str]:
     if signal == "dpca" and shared:
         problems.append(
             f"rl.teacher.signal_mode=dpca with input_mode={t.input_mode}: DPCA aligns two tokenizations; "
-            "use input_mode=cross_token_text (or signal_mode=topk for a same-vocabulary teacher)"
+            f"use input_mode={_cross_mode(t.input_mode)} "
+            "(or signal_mode=topk for a same-vocabulary teacher)"
         )
     if mode == "direct":
         if signal != "topk":
@@ -142,7 +162,10 @@ def check_shared_vocabulary(cfg: OPDConfig) -> None:
     """A same-vocabulary teacher must tokenize exactly like the student: its top-k ids and its scores
     of the student's ids mean nothing otherwise. Checked before either model loads (it reads both
     tokenizers, so it is not part of ``opd_preflight``, which reads no model files)."""
-    if cfg.rl.teacher.input_mode != "shared_vocab" or cfg.rl.teacher.name_or_path is None:
+    if (
+        cfg.rl.teacher.input_mode not in ("shared_vocab", "shared_vocab_multimodal")
+        or cfg.rl.teacher.name_or_path is None
+    ):
         return
     from posttrain.models.loading import load_tokenizer, resolve_model_path
 
@@ -154,7 +177,8 @@ def check_shared_vocabulary(cfg: OPDConfig) -> None:
     if student.get_vocab() != teacher.get_vocab():
         raise ConfigError(
             [
-                f"rl.teacher.input_mode=shared_vocab but the teacher's tokenizer ({len(teacher)} tokens) differs from "
-                f"the student's ({len(student)} tokens); use input_mode=cross_token_text with signal_mode=dpca"
+                f"rl.teacher.input_mode={cfg.rl.teacher.input_mode} but the teacher's tokenizer ({len(teacher)} "
+                f"tokens) differs from the student's ({len(student)} tokens); use "
+                f"input_mode={_cross_mode(cfg.rl.teacher.input_mode)} with signal_mode=dpca"
             ]
         )

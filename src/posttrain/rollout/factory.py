@@ -44,7 +44,12 @@ def build_rollout_engine(cfg: RunConfig, model: Any, tokenizer: Any, log: Metric
         tokenizer,
         dtype=policy_precision(cfg, model).compute_name,
     )
-    log.info(f"vLLM engine started in {engine.start_s:.1f}s (logprobs_mode={engine.logprobs_mode})")
+    from posttrain.rollout.vllm_seeding import seeding_note
+
+    log.info(
+        f"vLLM engine started in {engine.start_s:.1f}s (logprobs_mode={engine.logprobs_mode}, "
+        f"{seeding_note(engine.seeding)})"
+    )
     return engine
 
 
@@ -67,12 +72,21 @@ def build_hf_engine(cfg: RunConfig, model: Any, tokenizer: Any) -> HFRolloutEngi
 
 
 def build_vllm_engine(
-    cfg: RunConfig, model_dir: str, tokenizer: Any, *, dtype: str, enable_sleep_mode: bool | None = None
+    cfg: RunConfig,
+    model_dir: str,
+    tokenizer: Any,
+    *,
+    dtype: str,
+    enable_sleep_mode: bool | None = None,
+    launcher_args: dict[str, Any] | None = None,
 ) -> VLLMRolloutEngine:
     """The vLLM engine the ``rollout`` section describes, on ``model_dir``'s weights in ``dtype``;
     ``enable_sleep_mode`` overrides ``rollout.enable_sleep_mode`` (a replica with a GPU of its own
-    has nothing to make room for)."""
+    has nothing to make room for); ``launcher_args``: a tensor-parallel lane's vLLM launcher
+    arguments (``launch/rollout_lanes.py``)."""
+    from posttrain.models.vision import vision_model_type
     from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+    from posttrain.rollout.vllm_seeding import wants_call_seeds
 
     ro = cfg.rollout
     return VLLMRolloutEngine(
@@ -92,4 +106,8 @@ def build_vllm_engine(
         lora_rank=cfg.model.lora.rank,
         moe_backend=ro.moe_backend,
         return_routed_experts=cfg.rl.routing_replay == "rollout",
+        call_seeds=wants_call_seeds(cfg),  # rollout/vllm_seeding.py: per call where it holds
+        # a vision-language policy: image prompts, up to a row's limit (rollout/vllm_images.py)
+        max_images_per_prompt=cfg.rl.data.images.max_per_row if vision_model_type(model_dir) else 0,
+        launcher_args=launcher_args,
     )

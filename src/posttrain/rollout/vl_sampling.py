@@ -22,16 +22,19 @@ carry negligible mass in any trained model).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from posttrain.errors import PosttrainError
 from posttrain.rollout.base import RolloutBatch, SamplingParams, check_generate_inputs
-from posttrain.rollout.hf_engine import _Sampled, call_seed, draw_tokens
+from posttrain.rollout.hf_engine import HFRolloutEngine, _Sampled, call_seed, draw_tokens
 
 if TYPE_CHECKING:
-    from posttrain.models.vision import VisionPrompt
-    from posttrain.rollout.hf_engine import HFRolloutEngine
+    from collections.abc import Mapping, Sequence
+
+    from posttrain.data.base import ChatMessages
+    from posttrain.models.vision import VisionProcessor, VisionPrompt
 
 
 def _image_kwargs(prompt: VisionPrompt, n: int, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -127,3 +130,56 @@ def generate_image_prompts(
     finally:
         engine.model.train(was_training)
     return engine._package([p.input_ids for p in prompts], n, results, time.perf_counter() - start)
+
+
+class ImagePromptSampler:
+    """What a run's loop uses to sample a vision-language policy: renders each prompt with the
+    policy's ``VisionProcessor`` (``model.chat_template_kwargs`` applied; a string prompt is one user
+    message) and samples it with the transformers engine through ``generate_image_prompts``."""
+
+    def __init__(self, processor: VisionProcessor, template_kwargs: Mapping[str, object] | None = None) -> None:
+        self.processor = processor
+        self.template_kwargs = dict(template_kwargs or {})
+        self.vision_token_ids = [
+            processor.vision_start_id,
+            processor.vision_end_id,
+            processor.image_pad_id,
+            processor.video_pad_id,
+        ]
+        self.image_pad_id = processor.image_pad_id
+        self.merge_size = processor.merge_size
+
+    def render(self, prompt: str | ChatMessages, where: str = "prompt") -> VisionPrompt:
+        """One prompt's token ids (image pads expanded), pixel values and image grids."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return self.processor.render(messages, where=where, template_kwargs=self.template_kwargs)
+
+    def generate(self, engine: object, prompts: Sequence[VisionPrompt], n: int, params: SamplingParams) -> RolloutBatch:
+        """``n`` completions per rendered prompt from ``engine``: the transformers engine through
+        ``generate_image_prompts``; a vLLM engine built for images gets the decoded images and runs
+        its own processor, its expansion checked against ours (``rollout/vllm_images.py``)."""
+        if getattr(engine, "image_pad_id", None) is not None:  # a VLLMRolloutEngine built for images
+            if params.repetition_penalty != 1.0 or params.logprobs_topk > 0:
+                raise ValueError("image prompts support neither rollout.repetition_penalty nor score centering yet")
+            vllm_engine: Any = engine
+            batch: RolloutBatch = vllm_engine.generate(
+                [p.input_ids for p in prompts],
+                n,
+                params,
+                images=[list(p.images) for p in prompts],
+                banned_token_ids=self.vision_token_ids,
+            )
+            return batch
+        if not isinstance(engine, HFRolloutEngine):
+            raise PosttrainError(
+                f"the {type(engine).__name__} rollout engine does not take image prompts; a vision-language "
+                "policy samples with rollout.backend=hf, or vllm where torchvision is installed (docs/multimodal.md)"
+            )
+        return generate_image_prompts(
+            engine,
+            list(prompts),
+            n,
+            params,
+            image_pad_id=self.image_pad_id,
+            vision_token_ids=self.vision_token_ids,
+        )

@@ -5,6 +5,9 @@ prompt grouped by prompt, token ids ending with the EOS id when the finish reaso
 sampler logprob per generated token, the decoded text, and the ``rollout/*`` stats. The engine is
 built with the vLLM logprob mode its temperature needs and refuses sampling controls that mode
 cannot report (``rollout/vllm_requests.py``, which also builds the requests and reads the outputs).
+A seeded call draws from ``(seed, call index)``: each prompt's request seeded, or (``call_seeds``,
+vLLM's CPU build only) vLLM's generators seeded once for the call (``rollout/vllm_seeding.py``).
+Image prompts of a vision-language policy go with their decoded images (``rollout/vllm_images.py``).
 
 Weights move in-process: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 so ``receive_weights`` hands the policy's tensors (``PolicyWeights.full_state_dict()``: the module's
@@ -32,17 +35,25 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain.errors import PosttrainError, TrainingError
+from posttrain.errors import ConfigError, PosttrainError, TrainingError
 from posttrain.models.chat import eos_token_ids
 from posttrain.models.moe import checkpoint_layout
 from posttrain.rollout.base import RolloutBatch, SamplingParams, check_generate_inputs, generation_stats
 from posttrain.rollout.state import RESUME_HINT, EngineState, records_logprobs
+from posttrain.rollout.vllm_images import (
+    IMAGE_PAD,
+    ban_tokens,
+    check_engine_expansion,
+    image_token_prompts,
+    multimodal_engine_args,
+)
 from posttrain.rollout.vllm_lora import AdapterSync, lora_engine_args
 from posttrain.rollout.vllm_moe import (
     MOE_BACKEND_DEFAULT,
@@ -61,6 +72,7 @@ from posttrain.rollout.vllm_runtime import (
     on_cuda,
     shutdown_llm,
 )
+from posttrain.rollout.vllm_seeding import call_seed, engine_seeding, generators_seeded
 from posttrain.rollout.vllm_shared_weights import WORKER_EXTENSION, SharedWeightsSender
 
 if TYPE_CHECKING:
@@ -93,6 +105,9 @@ class VLLMRolloutEngine:
         lora_rank: int = 0,
         moe_backend: str = MOE_BACKEND_DEFAULT,
         return_routed_experts: bool = False,
+        max_images_per_prompt: int = 0,
+        call_seeds: bool = False,
+        launcher_args: Mapping[str, Any] | None = None,
     ) -> None:
         vllm = import_vllm()
         from transformers import AutoTokenizer
@@ -116,6 +131,14 @@ class VLLMRolloutEngine:
                 f"sleep_level must be 1 (weights kept in CPU memory) or 2 (weights dropped), got {sleep_level}"
             )
         cuda = on_cuda()
+        if call_seeds and cuda:  # tests/gpu/test_vllm_gpu.py: a restored call counter drew other tokens
+            raise ConfigError(
+                [
+                    "rollout.per_prompt_seeds=false: per-call seeding does not replay on vLLM's CUDA sampler "
+                    "(checked on vLLM 0.24 / one H200: a call replayed after others drew other tokens), so exact "
+                    "resume would not hold; set rollout.per_prompt_seeds=true (docs/vllm.md, Seeding)"
+                ]
+            )
         # Sleep / wake: only vLLM's CUDA platform implements it (the CPU backend logs and ignores it).
         self.sleep_mode = bool(enable_sleep_mode) and cuda
         self.sleep_level = sleep_level
@@ -130,6 +153,12 @@ class VLLMRolloutEngine:
         engine_args |= moe_backend_args(moe_backend)  # rollout.moe_backend: nothing for auto
         # rl.routing_replay=rollout: each completion carries the experts vLLM routed it to
         engine_args |= routed_experts_args(return_routed_experts, cuda)
+        # a vision-language policy: image prompts (rollout/vllm_images.py), no video
+        engine_args |= multimodal_engine_args(max_images_per_prompt)
+        # one lane of a tensor-parallel replica under Ray (launch/rollout_lanes.py): external_launcher
+        engine_args |= dict(launcher_args or {})
+        pad: Any = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD) if max_images_per_prompt > 0 else None
+        self.image_pad_id: int | None = None if pad is None else int(pad)
         self.return_routed_experts = return_routed_experts
         self._repack_moe = not cuda
         start = time.perf_counter()
@@ -154,6 +183,11 @@ class VLLMRolloutEngine:
                 "earlier in this process; start the run in a fresh process"
             )
         self._shared = SharedWeightsSender(self._llm) if separate_process else None
+        # a seeded call: the engine's generators seeded once (call_seeds), or a seed per prompt
+        workers = self._llm.llm_engine.vllm_config.parallel_config.world_size  # vLLM's TP x PP
+        self.seeding = engine_seeding(call_seeds, separate_process=separate_process, vllm_workers=workers)
+        self._rng_device = torch.cuda.current_device() if cuda else None  # where vLLM's sampler draws
+        self._prefix_cache_empty = True  # nothing sampled since start or the last weight sync
         self._adapters = AdapterSync(self._llm, self.state) if lora_rank > 0 else None
         self.start_s = time.perf_counter() - start
 
@@ -233,6 +267,17 @@ class VLLMRolloutEngine:
             return
         self.load_weights(weights.full_state_dict(), version)
 
+    def load_adapter(self, trained: Mapping[str, torch.Tensor], peft_config: Any, version: int) -> None:
+        """A LoRA policy's adapter (its trained tensors, policy state-dict names) as a new LoRA request
+        stamped ``version``: a disaggregated replica's weight sync (``rollout/replica_lora.py``). A
+        failure poisons the engine, as in ``receive_weights``."""
+        if self._adapters is None:
+            raise TrainingError("load_adapter needs a vLLM engine built with LoRA (model.lora.rank > 0)")
+        self.wake_up()
+        self._adapters.load(trained, peft_config, version)
+        self.last_sync_s = self._adapters.last_sync_s
+        self.state.commit(version)
+
     def load_weights(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
     ) -> None:
@@ -267,6 +312,7 @@ class VLLMRolloutEngine:
             self._weights_dropped = False
             self.wake_up()
             self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+            self._prefix_cache_empty = True
         except Exception as err:
             raise self.state.poison(
                 f"load_weights for version {version} failed ({type(err).__name__}: {err}); the vLLM weights are "
@@ -276,8 +322,21 @@ class VLLMRolloutEngine:
         self.state.commit(version)
 
     # -- sampling ------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], n: int, params: SamplingParams) -> RolloutBatch:
-        """``n`` completions per prompt, grouped by prompt (prompt 0's ``n`` first)."""
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        images: Sequence[Sequence[Any]] | None = None,
+        banned_token_ids: Sequence[int] = (),
+    ) -> RolloutBatch:
+        """``n`` completions per prompt, grouped by prompt (prompt 0's ``n`` first). ``images``: each
+        prompt's decoded images in order, its ids expanded by the processor (an engine built with
+        ``max_images_per_prompt``; ``rollout/vllm_images.py`` checks vLLM's expansion against them).
+        ``banned_token_ids`` are never sampled (the vision special tokens of an image policy)."""
+        pad_id = self.image_pad_id
+        if images is not None and pad_id is None:
+            raise TrainingError("image prompts need a vLLM engine built with max_images_per_prompt > 0")
         self.state.check_usable()
         check_generate_inputs(prompt_token_ids, n, params)
         check_params_for_mode(self.logprobs_mode, params)
@@ -289,14 +348,29 @@ class VLLMRolloutEngine:
         self.wake_up()
         call_index = self.state.next_call()
         record = records_logprobs(params, self.weight_version)
+        per_call = self.seeding == "call" and params.seed is not None
         owners, prompts, requests = call_requests(
-            prompt_token_ids, n, params, call_index=call_index, eos_ids=self.eos_ids, record=record
-        )
+            prompt_token_ids, n, params, call_index=call_index, eos_ids=self.eos_ids, record=record,
+            seed_prompts=not per_call,
+        )  # fmt: skip
+        if images is not None and pad_id is not None:
+            prompts = image_token_prompts(prompt_token_ids, images, owners, pad_id)
+        ban_tokens(requests, banned_token_ids)
+        seeded: Any = nullcontext()  # per call: the generators vLLM samples from, seeded for this call
+        if per_call and params.seed is not None:
+            seeded = generators_seeded(call_seed(params.seed, call_index), self._rng_device)
+            # what earlier calls left cached would change how this call's prefill is split into steps,
+            # hence which rows draw which numbers: every such call starts from an empty cache
+            if not self._prefix_cache_empty:  # (a weight sync just emptied it: no second pass)
+                self._llm.reset_prefix_cache()
+        self._prefix_cache_empty = False
         start = time.perf_counter()
-        with self._engine_thread_count():
+        with self._engine_thread_count(), seeded:
             lora = self._adapters.request if self._adapters is not None else None
             outputs = self._llm.generate(prompts, requests, use_tqdm=False, lora_request=lora)
         gen_s = time.perf_counter() - start
+        if images is not None and pad_id is not None:
+            check_engine_expansion(outputs, owners, prompt_token_ids, pad_id)
         completions = call_completions(owners, outputs, params.logprobs_topk, record)
         if self.return_routed_experts:
             attach_routed_experts(completions, owners, outputs)

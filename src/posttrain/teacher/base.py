@@ -37,6 +37,9 @@ class SequenceScores:
     """Per scored position, the teacher's ``top_k`` most likely ids (best first)."""
     topk_logprobs: list[list[float]] | None = None
     """Their logprobs."""
+    prompt_ids: list[int] | None = None
+    """The prompt the engine actually scored, image placeholders expanded (a multimodal request,
+    ``teacher/multimodal.py``, is checked against it); None for a text request."""
 
 
 class Teacher(Protocol):

@@ -6,7 +6,9 @@ tokenization of the completion text for a cross-tokenizer one), scores them all-
 bounded number of attempts (an engine error or an invalid payload fails the attempt, never one
 sequence), and returns per completion either the teacher's top-k (direct mode) or a per-token
 credit (advantage mode), with the spec's ``train/opd_*`` metrics. Nothing reaches the trainer
-until the whole batch is valid.
+until the whole batch is valid. In the ``*_multimodal`` modes the teacher's prefix is its own
+rendering of the prompt with its images (``teacher/multimodal.py``), and the prompt the engine
+scored is checked against it before any signal exists.
 
 The student's text is whatever it sampled (control characters, replacement characters for invalid
 UTF-8), and a cross-tokenizer teacher need not reproduce it: its tokenizer may drop a character,
@@ -26,12 +28,16 @@ import torch
 from posttrain.algorithm.distillation import TeacherPayloadError, validate_teacher_topk
 from posttrain.algorithm.dpca import Chunk, DpcaStats, align_chunks, dpca_credit, eos_chunk
 from posttrain.config.opd import OPDConfig
+from posttrain.distributed.world import any_rank
 from posttrain.rollout.base import Completion, RolloutBatch
 from posttrain.teacher.base import ScoreRequest, SequenceScores, Teacher, TeacherError
+from posttrain.teacher.multimodal import media_renderer, verify_media_scores
 from posttrain.teacher.render import render_teacher_prefix
 from posttrain.teacher.text_offsets import token_end_offsets
 
 _log = logging.getLogger("posttrain.teacher")
+# What fails one scoring attempt (never one sequence): an engine error or an invalid payload.
+_ATTEMPT_ERRORS = (TeacherError, TeacherPayloadError, RuntimeError, ValueError)
 
 
 @dataclass
@@ -89,7 +95,9 @@ class TeacherSignals:
         self.teacher = teacher
         self.student_tokenizer = student_tokenizer
         self.student_vocab_size = student_vocab_size
-        self.cross = cfg.rl.teacher.input_mode == "cross_token_text"
+        self.cross = cfg.rl.teacher.input_mode in ("cross_token_text", "cross_token_multimodal")
+        # the *_multimodal modes: the teacher renders its own image prefix (teacher/multimodal.py)
+        self.media = media_renderer(cfg, teacher, student_tokenizer)
         teacher_eos = _eos_ids(teacher.tokenizer)
         self.teacher_eos = teacher_eos[0] if teacher_eos else None
         self._reported: set[str] = set()
@@ -111,6 +119,8 @@ class TeacherSignals:
     def _requests(
         self, rollout: RolloutBatch, prompts: list[Any]
     ) -> tuple[list[ScoreRequest], list[CrossTokenView] | None]:
+        if not self.cross and self.media is not None:
+            return self.media.same_vocab_requests(rollout.prompt_token_ids, prompts, rollout.completions), None
         if not self.cross:
             reqs = []
             for c in rollout.completions:
@@ -118,6 +128,7 @@ class TeacherSignals:
                 reqs.append(ScoreRequest(list(prompt_ids) + list(c.token_ids), len(prompt_ids)))
             return reqs, None
         t = self.cfg.rl.teacher
+        media = self.media.prefixes(rollout.prompt_token_ids, prompts) if self.media is not None else []
         prefixes = [
             list(
                 self.teacher.tokenizer(
@@ -131,6 +142,7 @@ class TeacherSignals:
                 )["input_ids"]
             )
             for p in prompts
+            if self.media is None  # a multimodal teacher's prefixes are `media`
         ]
         views = [self._cross_view(c) for c in rollout.completions]
         reqs = []
@@ -140,6 +152,9 @@ class TeacherSignals:
             if not view.teacher_body and not tail:
                 continue  # the teacher's tokenizer kept nothing of this text: no credit, nothing to score
             view.request_index = len(reqs)
+            if media:
+                reqs.append(media[c.prompt_index].request(view.teacher_body + [t for t in tail if t is not None]))
+                continue
             prefix = prefixes[c.prompt_index]
             reqs.append(ScoreRequest(prefix + view.teacher_body + tail, len(prefix)))
         return reqs, views
@@ -150,14 +165,13 @@ class TeacherSignals:
         counters = ScoreCounters()
         t = self.cfg.rl.teacher
         last: Exception | None = None
+        # a pool shared by every policy rank (teacher/remote.py): each attempt is a collective
+        attempt = self._attempt_together if getattr(self.teacher, "collective", False) else self._attempt
         for _ in range(t.max_score_attempts):
             counters.request += 1
             try:
-                requests, views = self._requests(rollout, prompts)
-                # Every text of the batch may have tokenized to nothing (cross-tokenizer mode): nothing to score.
-                scores = self.teacher.score(requests, t.top_k if t.signal_mode == "topk" else 0) if requests else []
-                signal = self._signal(rollout, requests, scores, views)
-            except (TeacherError, TeacherPayloadError, RuntimeError, ValueError) as exc:
+                requests, scores, signal = attempt(rollout, prompts)
+            except _ATTEMPT_ERRORS as exc:
                 counters.failure += 1
                 last = exc
                 continue
@@ -171,6 +185,44 @@ class TeacherSignals:
             f"{t.max_score_attempts}); nothing of this batch was trained on. Last error: {last}"
         )
 
+    def _top_k(self) -> int:
+        t = self.cfg.rl.teacher
+        return t.top_k if t.signal_mode == "topk" else 0
+
+    def _attempt(
+        self, rollout: RolloutBatch, prompts: list[Any]
+    ) -> tuple[list[ScoreRequest], list[SequenceScores], TeacherSignal]:
+        """One attempt of an in-process teacher: this rank's requests, scores and signal."""
+        requests, views = self._requests(rollout, prompts)
+        # Every text of the batch may have tokenized to nothing (cross-tokenizer mode): nothing to score.
+        scores = self.teacher.score(requests, self._top_k()) if requests else []
+        return requests, scores, self._signal(rollout, requests, scores, views)
+
+    def _attempt_together(
+        self, rollout: RolloutBatch, prompts: list[Any]
+    ) -> tuple[list[ScoreRequest], list[SequenceScores], TeacherSignal]:
+        """One attempt on every policy rank at once (a pooled teacher): the proxy's ``score`` is a
+        collective, so a rank that could not build its requests still joins it (with ``None``), and the
+        outcome is agreed, so one rank's invalid payload fails the attempt everywhere and the ranks'
+        retries stay in step."""
+        built: tuple[list[ScoreRequest], list[CrossTokenView] | None] | None = None
+        error: Exception | None = None
+        try:
+            built = self._requests(rollout, prompts)
+        except _ATTEMPT_ERRORS as exc:
+            error = exc
+        scores: list[SequenceScores] = []
+        signal: TeacherSignal | None = None
+        try:
+            scores = self.teacher.score(built[0] if built is not None else None, self._top_k())  # type: ignore[arg-type]
+            if built is not None:
+                signal = self._signal(rollout, built[0], scores, built[1])
+        except _ATTEMPT_ERRORS as exc:
+            error = error or exc
+        if any_rank(error is not None) or built is None or signal is None:
+            raise error or TeacherError("another policy rank's part of the teacher batch failed; the whole batch fails")
+        return built[0], scores, signal
+
     def _signal(
         self,
         rollout: RolloutBatch,
@@ -183,6 +235,8 @@ class TeacherSignals:
         for n, (req, s) in enumerate(zip(requests, scores, strict=True)):
             if len(s.logprobs) != len(req.token_ids) - req.score_from:
                 raise TeacherError(f"teacher request {n}: {len(s.logprobs)} scores for {len(req.token_ids)} tokens")
+        if self.media is not None:  # before any signal exists: the engine scored the expected prefixes
+            verify_media_scores(requests, scores, self.media.image_pad_id)
         if self.cfg.rl.distillation_mode == "direct":
             return self._direct(scores)
         if views is not None:
