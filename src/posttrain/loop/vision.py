@@ -14,6 +14,7 @@ from typing import Any
 
 from posttrain.config.schema import RunConfig
 from posttrain.metrics.sinks import MetricsLogger
+from posttrain.models.hub import is_hub_id
 from posttrain.models.loading import local_model_dir, resolve_model_path
 from posttrain.models.vision import VisionProcessor, vision_model_type
 from posttrain.policy.images import freeze_vision_tower
@@ -24,11 +25,15 @@ def vision_run(cfg: RunConfig) -> bool:
     """Whether ``model.name_or_path`` is a vision-language model. Asked before the data source is
     built, so it converts nothing: the embedded models are text models, and a directory on disk
     (a cached hub snapshot included) is read as it is; only a hub id not in the cache is resolved
-    (downloaded) here rather than a moment later by the model loader."""
+    (downloaded) here rather than a moment later by the model loader. A local path that does not
+    exist is not a vision model here: the loader refuses it after the data checks."""
     name, revision = cfg.model.name_or_path, cfg.model.revision
     if name.startswith("embedded:"):
         return False
     local = local_model_dir(name, revision)
+    if local is None and not is_hub_id(name):
+        # a path that does not exist: the model loader names it, after the data checks have run
+        return False
     return vision_model_type(local if local is not None else resolve_model_path(name, revision)) is not None
 
 
