@@ -47,13 +47,13 @@ def test_two_grpo_steps_with_the_vllm_engine_and_an_exact_resume(
     run_overrides: Callable[..., list[str]],
     grpo_cli: Callable[..., subprocess.CompletedProcess[str]],
 ) -> None:
-    """Two steps, then step 2 again from the step-1 checkpoint in a fresh process: its engine, seeded
-    per call (the in-process default), draws what the first run's engine drew at that call, so the
-    resumed step's metrics and final weights are the uninterrupted run's exactly."""
+    """Two steps, then step 2 again from the step-1 checkpoint in a fresh process: its engine, a seed
+    per prompt (the default), draws what the first run's engine drew at that call, so the resumed
+    step's metrics and final weights are the uninterrupted run's exactly."""
     model_dir, run_dir, records, res = _vllm_grpo_run(
         tmp_path, smollm2_tokenizer_dir, run_overrides, grpo_cli, "vllm", "rl.max_steps=2", "rl.save_every=1"
     )
-    assert "vLLM engine started" in res.stdout and "seeding=per call" in res.stdout
+    assert "vLLM engine started" in res.stdout and "seeding=per prompt" in res.stdout
     assert [r["step"] for r in records] == [1, 2]
     # step 2 sampled with the weights of step 1's update: the engine's logprobs track the trainer's
     assert records[1]["train/logprob_gap_max"] < 1e-3
