@@ -15,12 +15,11 @@ the plain ``RolloutActor`` (``launch/ray_backend.py``), untouched.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.distributed.lane_groups import LaneGroups
 from posttrain.errors import TrainingError
 from posttrain.launch.ray_backend import LANE_FAIL_ENV, RolloutActor, _config_of
 from posttrain.rollout.data_pool import place_batch, ray_put, uses_pool
@@ -154,60 +153,23 @@ class RolloutLane(RolloutActor):
         return self.state.weight_version
 
 
-@dataclass
-class RolloutLanes:
+class RolloutLanes(LaneGroups):
     """The driver's handles on the tensor-parallel replicas: ``lanes[replica][lane]``, one placement
-    group per replica."""
-
-    lanes: list[list[Any]] = field(default_factory=list)
-    groups: list[Any] = field(default_factory=list)
-
-    def actors(self) -> list[Any]:
-        return [lane for replica in self.lanes for lane in replica]
+    group per replica (``distributed/lane_groups.py``)."""
 
     def start(
         self, tree: dict[str, Any], config_class: str, replicas: int, ranks: int, *, gpus: bool, timeout_s: float
     ) -> None:
-        """Place ``replicas`` replicas of ``ranks`` lanes (``STRICT_PACK``: a TP group on one node),
-        named ``rollout-R-L``; returns once every engine is built. What was placed before a failure
-        is in ``self`` for ``kill``."""
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        unit = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
-        for replica in range(replicas):
-            group = placement_group([dict(unit) for _ in range(ranks)], strategy="STRICT_PACK")
-            self.groups.append(group)
-            ray.get(group.ready(), timeout=timeout_s)
-            lanes = []
-            for lane in range(ranks):
-                strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=lane)
-                actor: Any = ray.remote(RolloutLane).options(
-                    num_cpus=1,
-                    num_gpus=1 if gpus else 0,
-                    scheduling_strategy=strategy,
-                    name=lane_name(replica, lane),
-                    namespace=NAMESPACE,
-                )
-                lanes.append(actor.remote(tree, config_class, replica, lane, ranks))
-            self.lanes.append(lanes)
-        masters = ray.get([lanes[0].address.remote() for lanes in self.lanes], timeout=timeout_s)
-        starts = [lane.start.remote(m) for lanes, m in zip(self.lanes, masters, strict=True) for lane in lanes]
-        ray.get(starts, timeout=timeout_s)  # every replica's engine loads at once
-
-    def close(self, timeout_s: float) -> None:
-        """Let every lane shut its engine down (best effort: the actors are killed right after)."""
-        import ray
-
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.get([a.close.remote() for a in self.actors()], timeout=min(timeout_s, 60.0))
-
-    def kill(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        for actor in self.actors():
-            ray.kill(actor)
-        for group in self.groups:
-            remove_placement_group(group)
+        """Place ``replicas`` replicas of ``ranks`` lanes, named ``rollout-R-L``; returns once every
+        engine is built. What was placed before a failure is in ``self`` for ``kill``."""
+        self.place(
+            RolloutLane,
+            lane_name,
+            NAMESPACE,
+            tree=tree,
+            config_class=config_class,
+            replicas=replicas,
+            ranks=ranks,
+            gpus=gpus,
+            timeout_s=timeout_s,
+        )
