@@ -116,19 +116,99 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     return cfg, model, tokenizer, (engine, trainer, {"model_load_s": load_s, "engine_start_s": engine_s})
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 - one flat sequence of timed phases
+ARM_KEYS = {
+    "steps": int,
+    "prompts": int,
+    "max_tokens": int,
+    "micro_batch": int,
+    "unseeded": lambda v: v in ("1", "true", "yes"),
+    "sampler_logprobs_every": int,
+    "sampler_logprobs_samples": lambda v: None if v in ("", "none", "null") else int(v),
+    "compile": lambda v: v in ("1", "true", "yes"),
+}
+
+
+def parse_arms(spec: str, base: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
+    """``"name:key=value,key=value;name2:..."`` as one Namespace per arm: the command line's settings
+    with the arm's keys (``ARM_KEYS``) replaced. Arms run in order in one process, on one engine."""
+    arms = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, _, body = part.partition(":")
+        arm = argparse.Namespace(**vars(base))
+        for item in filter(None, (x.strip() for x in body.split(","))):
+            key, _, value = item.partition("=")
+            if key not in ARM_KEYS:
+                raise SystemExit(f"--arms: unknown key {key!r} in arm {name!r} (known: {', '.join(ARM_KEYS)})")
+            setattr(arm, key, ARM_KEYS[key](value))
+        arms.append((name, arm))
+    return arms
+
+
+def run(
+    args: argparse.Namespace,
+    arms: list[tuple[str, argparse.Namespace]] | None = None,
+    on_result: Any = None,
+) -> list[dict[str, Any]]:
+    """Build the model, engine and trainer once, then run each arm's steps on them (one arm: the
+    command line's settings); one result per arm, each also handed to ``on_result`` when it is done
+    (so a run cut short keeps the arms it finished)."""
+    cfg, model, tokenizer, (engine, trainer, setup) = build(args)
+    acc: dict[str, float] = {}  # the trainer's passes, timed (every arm clears it per step)
+    trainer._old_logprobs = _timed(acc, "logprob_pass_s", trainer._old_logprobs)
+    trainer._optimizer_step = _timed(acc, "optimizer_s", trainer._optimizer_step)
+    results = []
+    compiled = args.compile
+    try:
+        for name, arm in arms or [("run", args)]:
+            if arm.compile and not compiled:  # turned on from this arm on (it cannot be turned off again)
+                from posttrain.policy.trainer import compile_layers
+
+                compile_layers(trainer.model)
+                compiled = True
+            arm.compile = compiled
+            cfg.rl.batch_per_replica = arm.prompts * arm.samples
+            cfg.rl.micro_batch_per_replica = arm.micro_batch
+            print(f"== arm {name}: {json.dumps({k: getattr(arm, k) for k in ARM_KEYS})}", flush=True)
+            results.append(
+                run_arm(
+                    arm,
+                    model=model,
+                    tokenizer=tokenizer,
+                    engine=engine,
+                    trainer=trainer,
+                    setup=setup,
+                    acc=acc,
+                    name=name,
+                )
+            )
+            if on_result is not None:
+                on_result(results[-1])
+    finally:
+        if args.engine == "vllm":
+            engine.close()
+    return results
+
+
+def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
+    args: argparse.Namespace,
+    *,
+    model: Any,
+    tokenizer: Any,
+    engine: Any,
+    trainer: Any,
+    setup: dict[str, float],
+    acc: dict[str, float],
+    name: str,
+) -> dict[str, Any]:
+    """One arm's steps: sample, train, sync, each timed; its per-step rows and their medians."""
     from posttrain.algorithm.advantages import group_advantages
     from posttrain.distributed.fsdp import PolicyWeights
     from posttrain.models.chat import render_prompt_ids
     from posttrain.policy.trainer import TrainBatch
     from posttrain.rollout.base import SamplingParams
 
-    _, model, tokenizer, (engine, trainer, setup) = build(args)
     n_params = sum(p.numel() for p in model.parameters())
-    acc: dict[str, float] = {}
-    trainer._old_logprobs = _timed(acc, "logprob_pass_s", trainer._old_logprobs)
-    trainer._optimizer_step = _timed(acc, "optimizer_s", trainer._optimizer_step)
-    texts = _prompt_texts(args.prompts * (args.steps + 1))
+    texts = _prompt_texts(args.prompts * (args.steps + 1), seed=0 if name == "run" else len(name) * 7919 + args.prompts)
     rng = torch.Generator().manual_seed(0)
     rows = []
     calls = {"n": 0}
@@ -144,6 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 - one flat
             temperature=1.0,
             seed=None if args.unseeded else k,
             sampler_logprobs_every=args.sampler_logprobs_every,
+            sampler_logprobs_samples=args.sampler_logprobs_samples,
         )
         t0 = time.perf_counter()
         rollout = engine.generate(prompt_ids, args.samples, params)
@@ -228,6 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 - one flat
     later = rows[1:] or rows
     summary = {k: statistics.median(r[k] for r in later) for k in rows[0] if k != "step"}
     result = {
+        "arm": name,
         "engine": args.engine,
         "model": args.model,
         "params": n_params,
@@ -244,9 +326,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:  # noqa: PLR0915 - one flat
         import vllm
 
         result["vllm"] = vllm.__version__
-        source.close()
-        engine.close()
-    print("SUMMARY " + json.dumps({"engine": args.engine, **{k: round(v, 4) for k, v in summary.items()}}), flush=True)
+    source.close()
+    print(
+        "SUMMARY " + json.dumps({"arm": name, "engine": args.engine, **{k: round(v, 4) for k, v in summary.items()}}),
+        flush=True,
+    )
     return result
 
 
@@ -284,6 +368,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sampler-logprobs-every", type=int, default=1, help="rollout.sampler_logprobs_every (0: never record)"
     )
+    p.add_argument(
+        "--sampler-logprobs-samples",
+        type=lambda v: None if v in ("none", "null") else int(v),
+        default=None,
+        help="rollout.sampler_logprobs_samples (default: every sample records)",
+    )
+    p.add_argument(
+        "--arms",
+        help='several settings in one process on one engine: "name:key=value,...;name2:..." with keys '
+        + ", ".join(ARM_KEYS)
+        + " (compile, once on, stays on); each arm writes NAME.json under --out-dir",
+    )
+    p.add_argument("--out-dir", type=Path, help="with --arms: one JSON per arm here")
     p.add_argument("--out", type=Path, help="write the per-step figures as JSON here")
     p.add_argument(
         "--trl",
@@ -297,7 +394,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--off-policy needs --engine vllm (the transformers engine samples with the trained module)")
     if args.trl and not args.out:
         p.error("--trl needs --out (TRL's figures are written beside it)")
-    result = run(args)
+    if args.arms and (args.off_policy or args.trl or not args.out_dir):
+        p.error("--arms needs --out-dir and takes neither --off-policy (its sampler runs ahead) nor --trl")
+    if args.arms:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir = args.out_dir
+
+        def write(result: dict[str, Any]) -> None:
+            (out_dir / f"{result['arm']}.json").write_text(json.dumps(result, indent=1))
+
+        run(args, parse_arms(args.arms, args), on_result=write)
+        return 0
+    (result,) = run(args)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     if args.trl:

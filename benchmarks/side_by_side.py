@@ -1,53 +1,161 @@
-"""Ours and TRL's step on the same workload, as one markdown table (from the two runs' JSON files).
+"""Ours and TRL's step on the same workload, as markdown tables (from the runs' JSON files).
 
-    python benchmarks/side_by_side.py OURS.json TRL.json [OURS2.json ...]
+    python benchmarks/side_by_side.py OURS.json TRL.json [OURS2.json ...]   # one table
+    python benchmarks/side_by_side.py --dir /tmp/sbs                        # every table of side_by_side.sh
 
-OURS: written by ``benchmarks/grpo_step.py --out``; TRL: written by
-``../shared/peers/trl_grpo_gpu_step.py`` (``$OUT/trl_<mode>.json``). Medians of steps 2 on for
-ours, TRL's own median of its steps 2-4. Several of ours (other settings) may follow.
+OURS: written by ``benchmarks/grpo_step.py --out`` (or one arm's file of ``--arms --out-dir``); TRL:
+written by ``../shared/peers/trl_grpo_gpu_step.py`` (``$OUT/trl_<mode>.json``). Medians of steps 2 on
+for ours, TRL's own median of its steps 2-4. ``--dir`` reads what ``benchmarks/side_by_side.sh`` leaves
+there: ``w/*.json`` (workload W's arms and the growth arms), ``w_offpolicy.json``, ``w15.json``,
+``w135.json``, ``trl_*.json``, ``small.metrics.jsonl`` and ``trl_small.log``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import re
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
+
+HEADER = (
+    "| run | step | generation | update + logprob passes | weight sync | other | gap mean | peak alloc |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- |"
+)
 
 
-def ours_row(path: Path) -> str:
-    d = json.loads(path.read_text())
+def _load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def ours_row(path: Path, label: str | None = None) -> str:
+    d = _load(path)
     m = d["median_steps_2_on"]
     a = d["args"]
-    label = f"posttrain {Path(path).stem}" + (" (unseeded)" if a.get("unseeded") else "")
-    label += " (per-call seeds)" if a.get("call_seeds") else ""
+    if label is None:
+        label = f"posttrain {d.get('arm', path.stem)}" + (" (unseeded)" if a.get("unseeded") else "")
+    gap = m.get("logprob_gap_mean", float("nan"))
+    gap_text = "" if math.isnan(gap) else f"{gap:.4f}"
     return (
         f"| {label} | {m['step_s']:.2f} s | {m['generation_s']:.2f} s | {m['update_s'] + m['logprob_pass_s']:.2f} s "
-        f"({100 * m['mfu_update']:.1f} % MFU) | {m['weight_sync_s']:.3f} s | {m['peak_alloc_gib']:.1f} GiB |"
+        f"({100 * m['mfu_update']:.1f} % MFU) | {m['weight_sync_s']:.3f} s | {m.get('other_s', 0.0):.2f} s | "
+        f"{gap_text} | {m['peak_alloc_gib']:.1f} GiB |"
     )
 
 
-def trl_row(path: Path) -> str:
-    d = json.loads(path.read_text())
+def trl_step_s(path: Path) -> float:
+    return float(_load(path)["median_step_s_2to4"])
+
+
+def trl_row(path: Path, label: str | None = None) -> str:
+    d = _load(path)
     later = d["steps"][1:] or d["steps"]
     gen = statistics.median(s.get("vLLM.generate", s.get("transformers.generate", 0.0)) for s in later)
     sync = statistics.median(s.get("sync_weights", 0.0) for s in later)
-    return (
-        f"| TRL ({d['mode']}) | {d['median_step_s_2to4']:.2f} s | {gen:.2f} s | | {sync:.3f} s | {d['peak_GiB']} GiB |"
-    )
+    name = label or f"TRL ({d['mode']})"
+    return f"| {name} | {d['median_step_s_2to4']:.2f} s | {gen:.2f} s | | {sync:.3f} s | | | {d['peak_GiB']} GiB |"
+
+
+def pair_table(ours: Path, trl: Path, more: list[Path]) -> str:
+    lines = [HEADER, *(ours_row(p) for p in [ours, *more]), trl_row(trl)]
+    ratio = trl_step_s(trl) / _load(ours)["median_steps_2_on"]["step_s"]
+    return "\n".join(lines) + f"\n\nTRL / posttrain ({ours.stem}): {ratio:.2f}x"
+
+
+def growth_table(r: Path) -> str:
+    """Step time as the work grows, ours (shipped settings) and TRL where it ran: prompts at 256 tokens,
+    completion length at 32 prompts, model size at W's batch."""
+    rows = [
+        "| axis | value | posttrain step | generation | update | TRL step | TRL / ours |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    grid = [
+        (
+            "prompts (x 8 samples, 256 tokens)",
+            [(8, "w/p8"), (32, "w/seeded_first"), (64, "w/p64"), (128, "w/p128"), (256, "w/p256")],
+            {32: "trl_w", 128: "trl_p128"},
+        ),
+        (
+            "completion tokens (32 x 8)",
+            [(64, "w/t64"), (256, "w/seeded_first"), (1024, "w/t1024"), (2048, "w/t2048")],
+            {256: "trl_w", 1024: "trl_t1024"},
+        ),
+        (
+            "model (W's batch)",
+            [("135M", "w135"), ("0.4B", "w/seeded_first"), ("1.5B", "w15")],
+            {"135M": "trl_w135", "0.4B": "trl_w", "1.5B": "trl_w15"},
+        ),
+    ]
+    for axis, points, trl_names in grid:
+        for value, name in points:
+            path = r / f"{name}.json"
+            if not path.exists():
+                continue
+            m = _load(path)["median_steps_2_on"]
+            trl = r / f"{trl_names.get(value, '-')}.json"
+            trl_s = trl_step_s(trl) if trl.exists() else None
+            rows.append(
+                f"| {axis} | {value} | {m['step_s']:.2f} s | {m['generation_s']:.2f} s | "
+                f"{m['update_s'] + m['logprob_pass_s']:.2f} s ({100 * m['mfu_update']:.0f} %) | "
+                + (f"{trl_s:.2f} s | {trl_s / m['step_s']:.2f}x |" if trl_s else "| |")
+            )
+    return "\n".join(rows)
+
+
+def small_table(r: Path) -> str:
+    """The default recipe's small step: ours (metrics.jsonl timers, medians of steps 2 on) and TRL's
+    (per-step times from its TRLLEARN history)."""
+    out = ["| run | step (median, steps 2 on) | rollout | train | weight sync |", "| --- | --- | --- | --- | --- |"]
+    metrics = r / "small.metrics.jsonl"
+    if metrics.exists():
+        recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()][1:]
+
+        def med(key: str) -> float:
+            return statistics.median(x[key] for x in recs if key in x)
+
+        out.append(
+            f"| posttrain default recipe, vLLM | {med('timer/e2e_step_s'):.3f} s | {med('timer/rollout_s'):.3f} s | "
+            f"{med('timer/train_s'):.3f} s | {med('timer/weight_sync_s'):.3f} s |"
+        )
+    log = r / "trl_small.log"
+    if log.exists():
+        for line in log.read_text().splitlines():
+            if line.startswith("TRLLEARN "):
+                hist = json.loads(line[len("TRLLEARN ") :])["hist"]
+                times = [b[1] - a[1] for a, b in itertools.pairwise(hist)]
+                out.append(f"| TRL 1.16, same task, vLLM colocated | {statistics.median(times):.3f} s | | | |")
+    return "\n".join(out)
+
+
+def dir_tables(r: Path) -> str:
+    parts = []
+    w = sorted((r / "w").glob("*.json"), key=lambda p: p.stat().st_mtime) if (r / "w").exists() else []
+    w_arms = [p for p in w if not re.fullmatch(r"[pt]\d+", p.stem)]  # in the order they ran; growth arms apart
+    trl_w = r / "trl_w.json"
+    extra = [p for p in (r / "w_offpolicy.json",) if p.exists()]
+    if w_arms:
+        lines = [HEADER, *(ours_row(p) for p in [*w_arms, *extra])]
+        if trl_w.exists():
+            lines.append(trl_row(trl_w, "TRL 1.16, vLLM colocated 0.3"))
+        parts.append("## Workload W (0.4B shape, 32 prompts x 8 samples x 256 tokens)\n\n" + "\n".join(lines))
+    for name, title in (("w15", "1.5B shape"), ("w135", "135M shape")):
+        ours, trl = r / f"{name}.json", r / f"trl_{name}.json"
+        if ours.exists() and trl.exists():
+            parts.append(f"## W's batch on the {title}\n\n" + pair_table(ours, trl, []))
+    parts.append("## How the cost grows\n\n" + growth_table(r))
+    parts.append("## The default recipe's small step\n\n" + small_table(r))
+    return "\n\n".join(parts)
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--dir"]:
+        print(dir_tables(Path(argv[1])))
+        return
     ours, trl, more = Path(argv[0]), Path(argv[1]), [Path(p) for p in argv[2:]]
-    print("| run | step | generation | update + logprob passes | weight sync | peak alloc |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for path in [ours, *more]:
-        print(ours_row(path))
-    print(trl_row(trl))
-    ratio = (
-        json.loads(trl.read_text())["median_step_s_2to4"] / json.loads(ours.read_text())["median_steps_2_on"]["step_s"]
-    )
-    print(f"\nTRL / posttrain ({ours.stem}): {ratio:.2f}x")
+    print(pair_table(ours, trl, more))
 
 
 if __name__ == "__main__":

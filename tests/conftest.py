@@ -58,6 +58,13 @@ def run_overrides(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[str]]:
     return _tiny_run_overrides
 
 
+@pytest.fixture(scope="session")
+def subprocess_run_overrides() -> Callable[..., list[str]]:
+    """``run_overrides`` for a session-scoped fixture whose run is a subprocess that puts
+    ``tests/fixtures/e2e`` on its own PYTHONPATH (``tests/integration/ray_runs.run_driver``)."""
+    return _tiny_run_overrides
+
+
 def _grpo_cli(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(E2E_DIR), os.environ.get("PYTHONPATH", "")])}
     env.update(env_extra or {})

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 E2E_DIR = Path(__file__).parent.parent / "fixtures" / "e2e"
 RUN_TIMEOUT_S = 240
@@ -43,3 +44,28 @@ def run_frames(root: Path, job: str, group: str = "grpo") -> list[dict[str, floa
     """The metrics.jsonl frames of the one run of ``job`` (of ``job.group`` ``group``) under output root ``root``."""
     (run_dir,) = (root / "posttrain" / group / job).iterdir()
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# The shared reference run of the Ray tests (``conftest.ray_reference``): 2 policy ranks, 3 steps,
+# score centering on (so the sampler's top-k head travels with each completion, and the data pool
+# carries it too); these overrides and ``REFERENCE_PLACEMENT`` make it a disaggregated run with the
+# weights through the object store. Runs that must train exactly like it add their own placement
+# and transport to ``REFERENCE`` instead.
+REFERENCE = [
+    "grid.backend=ray",
+    "grid.shapes.policy=[1,2]",
+    "grid.collective_timeout_s=60",
+    "rl.score_centering.enabled=true",
+    "rl.score_centering.top_k=4",
+    "rollout.max_tokens=8",
+    "rl.max_steps=3",
+]
+DISAGGREGATED_PLACEMENT = "grid.gpu_placement=disaggregated"
+REFERENCE_PLACEMENT = [DISAGGREGATED_PLACEMENT, "rl.weight_sync_transport=object_store"]
+
+
+class RayRun(NamedTuple):
+    """A finished driver run: its metrics frames and its stderr."""
+
+    frames: list[dict[str, float]]
+    stderr: str

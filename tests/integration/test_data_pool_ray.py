@@ -18,14 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ray_runs import run_driver, run_frames
+from ray_runs import REFERENCE, REFERENCE_PLACEMENT, RayRun, run_driver, run_frames
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
 RUN_TIMEOUT_S = 300  # above ray_runs.RUN_TIMEOUT_S: the 40-step leak run
 RAY = ["grid.backend=ray", "grid.collective_timeout_s=60", "grid.gpu_placement=disaggregated"]
-OBJECT_STORE = ["rl.weight_sync_transport=object_store"]
 POOL = "rl.data_pool.data_plane=ray_nixl_pool"
 START_LINE = "rl.data_pool.data_plane=ray_nixl_pool: NIXL unavailable ("
 # timings, throughput and memory differ between any two runs; every other metric must be equal
@@ -38,27 +37,25 @@ def _deterministic(frame: dict[str, float]) -> dict[str, float]:
 
 
 def test_pooled_run_trains_exactly_like_inline(
-    tiny_model_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path
+    ray_reference: RayRun, tiny_model_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path
 ) -> None:
-    sc = ["rl.score_centering.enabled=true", "rl.score_centering.top_k=4", "rollout.max_tokens=8"]
-    common = [*RAY, "grid.shapes.policy=[1,2]", *OBJECT_STORE, *sc, "rl.max_steps=3"]
+    """The inline run is the Ray tests' shared reference (``conftest.ray_reference``: score centering
+    on, weights through the object store); the pooled run is the same with the data pool on."""
     probe = tmp_path / "probe.jsonl"
-    runs, stderr = {}, {}
-    for name, extra in (("inline", []), ("pooled", [POOL])):
-        res = run_driver(
-            run_overrides(tiny_model_dir, tmp_path, name, *common, *extra),
-            {"POSTTRAIN_TEST_DATA_POOL_PROBE": str(probe)},
-            timeout_s=RUN_TIMEOUT_S,
-        )
-        assert res.returncode == 0, res.stderr[-3000:]
-        runs[name], stderr[name] = run_frames(tmp_path, name), res.stderr
-    assert START_LINE in stderr["pooled"] and "pooling through Ray's object store" in stderr["pooled"]
-    assert START_LINE not in stderr["inline"]
-    assert [f["step"] for f in runs["pooled"]] == [1, 2, 3]
-    for mine, theirs in zip(runs["inline"], runs["pooled"], strict=True):
+    pooled = run_driver(
+        run_overrides(tiny_model_dir, tmp_path, "pooled", *REFERENCE, *REFERENCE_PLACEMENT, POOL),
+        {"POSTTRAIN_TEST_DATA_POOL_PROBE": str(probe)},
+        timeout_s=RUN_TIMEOUT_S,
+    )
+    assert pooled.returncode == 0, pooled.stderr[-3000:]
+    assert START_LINE in pooled.stderr and "pooling through Ray's object store" in pooled.stderr
+    assert START_LINE not in ray_reference.stderr
+    frames = run_frames(tmp_path, "pooled")
+    assert [f["step"] for f in frames] == [1, 2, 3]
+    for mine, theirs in zip(ray_reference.frames, frames, strict=True):
         assert _deterministic(theirs) == _deterministic(mine), mine["step"]
         assert mine["train/grad_norm"] > 0
-    # only the pooled run probes; the owner rank (0) holds its own cell's 1 prompt x 4 samples a step
+    # the owner rank (0) holds its own cell's 1 prompt x 4 samples a step
     rows = [json.loads(line) for line in probe.read_text().splitlines()]
     assert [(r["version"], r["final"]) for r in rows] == [(1, False), (2, False), (3, False), (3, True)]
     assert all(r["released"] == 4 for r in rows[:-1]), rows

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ray_runs import run_driver, run_frames
+from ray_runs import DISAGGREGATED_PLACEMENT, REFERENCE, RayRun, run_driver, run_frames
 
 from posttrain.distributed.nixl_sync import missing_library
 
@@ -24,31 +24,21 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 MISSING = missing_library()
 
-RAY = ["grid.backend=ray", "grid.shapes.policy=[1,2]", "grid.collective_timeout_s=60"]
+NIXL = ["rl.weight_sync_transport=nixl", "rl.weight_sync_bucket_bytes=65536"]
 
 
 @pytest.mark.skipif(MISSING is not None, reason=f"NIXL cannot run here: {MISSING}")
 def test_a_nixl_run_trains_the_same_as_the_object_store(
-    tiny_model_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path
+    ray_reference: RayRun, tiny_model_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path
 ) -> None:
-    transports = {
-        "object_store": ["rl.weight_sync_transport=object_store"],
-        "nixl": ["rl.weight_sync_transport=nixl", "rl.weight_sync_bucket_bytes=65536"],
-    }
-    runs = {}
-    for name, extra in transports.items():
-        overrides = run_overrides(
-            tiny_model_dir, tmp_path, name, *RAY, "grid.gpu_placement=disaggregated", *extra, "rl.max_steps=3"
-        )
-        res = run_driver(overrides)
-        assert res.returncode == 0, res.stderr[-3000:]
-        runs[name] = run_frames(tmp_path, name)
-        if name == "nixl":  # both ends made NIXL agents (NIXL's own log line, forwarded by Ray)
-            for role in ("owner", "replica"):
-                assert f"Initialized NIXL agent: posttrain-{role}-" in res.stdout, res.stdout[-3000:]
-    for frames in runs.values():
-        assert [f["step"] for f in frames] == [1, 2, 3]
-        assert all(f["train/grad_norm"] > 0 and f["optim/step"] == f["step"] for f in frames)
-    for mine, theirs in zip(runs["object_store"], runs["nixl"], strict=True):
+    """The object-store run is the shared reference (``conftest.ray_reference``)."""
+    res = run_driver(run_overrides(tiny_model_dir, tmp_path, "nixl", *REFERENCE, DISAGGREGATED_PLACEMENT, *NIXL))
+    assert res.returncode == 0, res.stderr[-3000:]
+    for role in ("owner", "replica"):  # both ends made NIXL agents (NIXL's own log line, forwarded by Ray)
+        assert f"Initialized NIXL agent: posttrain-{role}-" in res.stdout, res.stdout[-3000:]
+    frames = run_frames(tmp_path, "nixl")
+    assert [f["step"] for f in frames] == [1, 2, 3]
+    assert all(f["train/grad_norm"] > 0 and f["optim/step"] == f["step"] for f in frames)
+    for mine, theirs in zip(ray_reference.frames, frames, strict=True):
         for key in ("train/reward_mean", "train/loss_avg", "train/grad_norm"):
             assert theirs[key] == mine[key], (mine["step"], key)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ray_runs import run_driver, run_frames
+from ray_runs import DISAGGREGATED_PLACEMENT, REFERENCE, RayRun, run_driver, run_frames
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
@@ -31,20 +31,22 @@ DISAGGREGATED = ["grid.gpu_placement=disaggregated", "rl.weight_sync_transport=o
 
 
 def test_colocated_and_disaggregated_runs_train_the_same(
-    tiny_model_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path
+    ray_reference: RayRun, tiny_model_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path
 ) -> None:
-    runs = {}
-    nccl = ["grid.gpu_placement=disaggregated", "rl.weight_sync_transport=nccl"]  # gloo broadcasts on CPU
-    for name, extra in (("colocated", []), ("disaggregated", DISAGGREGATED), ("collective", nccl)):
-        overrides = run_overrides(tiny_model_dir, tmp_path, name, *RAY, *extra, "rl.max_steps=3")
-        res = run_driver(overrides)
+    """The colocated run and the broadcast-synced one against the shared disaggregated object-store
+    run (``conftest.ray_reference``, also the reference of ``test_nixl_ray.py`` and
+    ``test_data_pool_ray.py``)."""
+    runs = {"disaggregated": ray_reference.frames}
+    nccl = [DISAGGREGATED_PLACEMENT, "rl.weight_sync_transport=nccl"]  # gloo broadcasts on CPU
+    for name, extra in (("colocated", []), ("collective", nccl)):
+        res = run_driver(run_overrides(tiny_model_dir, tmp_path, name, *REFERENCE, *extra))
         assert res.returncode == 0, res.stderr[-3000:]
         runs[name] = run_frames(tmp_path, name)
     for frames in runs.values():
         assert [f["step"] for f in frames] == [1, 2, 3]
         assert all(f["train/grad_norm"] > 0 and f["optim/step"] == f["step"] for f in frames)
     for other in ("disaggregated", "collective"):
-        for mine, theirs in zip(runs["colocated"], runs[other]):
+        for mine, theirs in zip(runs["colocated"], runs[other], strict=True):
             for key in ("train/reward_mean", "train/loss_avg", "train/grad_norm"):
                 assert theirs[key] == pytest.approx(mine[key], rel=1e-6, abs=1e-9), (other, mine["step"], key)
 
@@ -75,7 +77,8 @@ def test_a_disaggregated_vllm_replica_receives_every_update(
     # vLLM's CPU attention refuses a head size of 16: two 32-wide heads
     model_dir = make_tiny_model(str(tmp_path / "m"), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1)
     ray_slow = [*RAY[:-1], "grid.collective_timeout_s=240"]  # vLLM starts slowly on 2 shared cores
-    extra = ["rollout.backend=vllm", "rl.max_steps=2", "rl.optimizer.lr=1e-2"]
+    # no torch.compile warm-up (20-40 s less on 2 cores, the same samples); test_vllm_grpo.py keeps a compiled engine
+    extra = ["rollout.backend=vllm", "rl.max_steps=2", "rl.optimizer.lr=1e-2", "rollout.enforce_eager=true"]
     overrides = run_overrides(model_dir, tmp_path, "vllm_replica", *ray_slow, *DISAGGREGATED, *extra)
     res = run_driver(overrides, {"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout_s=540)
     assert res.returncode == 0, res.stderr[-3000:]

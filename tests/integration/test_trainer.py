@@ -167,3 +167,41 @@ def test_packed_micro_batches_keep_their_count_and_never_compute_more_cells(
     real = sum(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids))
     assert real <= packed_cells <= padded_cells
     assert (packed_cells < padded_cells) == fewer  # 4 sorted rows per micro-batch leave nothing to pack
+
+
+def test_gap_over_recorded_samples_only(tiny_model_dir: str) -> None:
+    """``rollout.sampler_logprobs_samples=1``: the first sample of each group carries the sampler's
+    logprobs (here the trainer's own + 0.25 per token), the others none. The gap is measured on those
+    rows alone, also across micro-batches holding no recorded row, and the update is the one of a
+    fully recorded batch (the loss does not read them on this path)."""
+    cfg = build_config(None, ["rl.batch_per_replica=16", "rl.group_size=4", "rl.micro_batch_per_replica=2"])
+    model = _load(tiny_model_dir)
+    comps = _completions()
+    prompts = [p for p in PROMPTS for _ in range(G)]
+    with torch.no_grad():
+        own = completion_logprobs(model.eval(), build_policy_batch(prompts, comps, pad_id=2, device="cpu"))
+    assert isinstance(own, torch.Tensor)
+    shifted = [(own[i, : len(c)] + 0.25).tolist() for i, c in enumerate(comps)]
+    partial = _batch()
+    partial.sampler_logprobs = [lp if i % G == 0 else None for i, lp in enumerate(shifted)]
+    full = _batch()
+    full.sampler_logprobs = shifted
+    results = []
+    for batch in (partial, full):
+        torch.manual_seed(0)
+        trained = _load(tiny_model_dir)
+        metrics = PolicyTrainer(trained, cfg, objective=grpo_objective(cfg), pad_id=2).train_on(batch, step=1)
+        results.append(([p.detach().clone() for p in trained.parameters()], metrics))
+    (params_partial, m_partial), (params_full, m_full) = results
+    assert m_partial["train/logprob_gap_mean"] == pytest.approx(0.25, abs=1e-4)
+    assert m_partial["train/logprob_gap_max"] == pytest.approx(0.25, abs=1e-4)
+    assert m_full["train/logprob_gap_mean"] == pytest.approx(0.25, abs=1e-4)
+    for a, b in zip(params_partial, params_full):
+        assert torch.equal(a, b)
+    unrecorded = _batch()
+    unrecorded.sampler_logprobs = [None] * len(comps)  # rollout.sampler_logprobs_every skipped this step
+    torch.manual_seed(0)
+    metrics = PolicyTrainer(_load(tiny_model_dir), cfg, objective=grpo_objective(cfg), pad_id=2).train_on(
+        unrecorded, step=1
+    )
+    assert "train/logprob_gap_mean" not in metrics and "train/logprob_gap_max" not in metrics

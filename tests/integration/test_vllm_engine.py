@@ -195,6 +195,29 @@ def test_sampler_logprobs_are_recorded_for_every_nth_weight_version(fresh: VLLMR
     assert all(c.logprobs is not None for c in fresh.generate(prompts[:2], 2, with_head).completions)
 
 
+def test_sampler_logprobs_for_the_first_samples_only_draw_the_same_tokens(
+    fresh: VLLMRolloutEngine, prompts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sampler_logprobs_samples=1`` with a seed per prompt: each prompt's request is split (sample 0
+    records, samples 1-3 do not, seeded on from sample 1's seed), so the completions are exactly the
+    unsplit request's, and sample 0's logprobs are the fully recorded call's."""
+    monkeypatch.setattr(fresh, "seeding", "prompt")  # rollout.per_prompt_seeds=true (the default)
+    state = fresh.state_dict()
+    full = fresh.generate(prompts, 4, SamplingParams(max_tokens=6, seed=11)).completions
+    fresh.load_state_dict(state)
+    first = fresh.generate(prompts, 4, SamplingParams(max_tokens=6, seed=11, sampler_logprobs_samples=1)).completions
+    assert [c.prompt_index for c in first] == [c.prompt_index for c in full]
+    assert [c.token_ids for c in first] == [c.token_ids for c in full]
+    assert [c.logprobs is not None for c in first] == [i % 4 == 0 for i in range(len(full))]
+    for a, b in zip(first[::4], full[::4]):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, sampler_logprobs_samples=2)
+    out = fresh.generate(prompts[:1], 3, greedy).completions
+    assert [c.logprobs is not None for c in out] == [True, True, False]
+    with_head = SamplingParams(max_tokens=4, seed=11, sampler_logprobs_samples=1, logprobs_topk=2)
+    assert all(c.logprobs is not None for c in fresh.generate(prompts[:1], 3, with_head).completions)
+
+
 def test_received_weights_move_engine_logprobs_to_the_trainers(
     fresh: VLLMRolloutEngine, vllm_model_dir: str, base_model, tokenizer, prompts
 ) -> None:
@@ -224,6 +247,18 @@ def test_received_weights_move_engine_logprobs_to_the_trainers(
     old = _trainer_logprobs(base_model, after, tokenizer.pad_token_id)
     gap = max(abs(a - b) for new_row, old_row in zip(new_expected, old) for a, b in zip(new_row, old_row))
     assert gap > 1e-2  # the step moved these logprobs far beyond the match tolerance
+    # version 1 again (an optimizer step skipped: the loop publishes the same version): nothing is
+    # sent, so even weights changed behind the version's back do not reach the engine
+    assert fresh.last_sync_s > 0.0
+    base = PolicyWeights(base_model)
+    fresh.receive_weights(base, version=1)
+    assert fresh.last_sync_s == 0.0
+    again = fresh.generate(prompts, 2, SamplingParams(max_tokens=6, seed=5))
+    _assert_logprobs_match(again, _trainer_logprobs(model, again, tokenizer.pad_token_id))
+    fresh.receive_weights(base, version=2)  # a new version is sent
+    assert fresh.last_sync_s > 0.0
+    back = fresh.generate(prompts, 2, SamplingParams(max_tokens=6, seed=5))
+    _assert_logprobs_match(back, _trainer_logprobs(base_model, back, tokenizer.pad_token_id))
 
 
 def test_stop_on_eos_with_biased_weights(fresh: VLLMRolloutEngine, vllm_model_dir: str, tokenizer, prompts) -> None:

@@ -140,6 +140,10 @@ def test_default_recipe_passes_preflight() -> None:
             "set rollout.sampler_logprobs_every=1",
         ),
         (
+            ["rl.use_rollout_logprobs_for_loss=true", "rollout.sampler_logprobs_samples=2"],
+            "set rollout.sampler_logprobs_samples=null",
+        ),
+        (
             ["rl.use_rollout_logprobs_for_loss=true", "rollout.temperature=0.7", "rl.temperature=0.7"],
             "must both be 1.0",
         ),

@@ -390,6 +390,36 @@ def test_logprob_gap_stats() -> None:
     assert not any(t.requires_grad for t in metrics.values())
 
 
+def test_logprob_gap_stats_over_the_recorded_rows_only() -> None:
+    """``rollout.sampler_logprobs_samples``: rows whose sampler logprobs were not recorded (zeros
+    there) count in neither the gap's sum, its token count nor its max; the loss is untouched."""
+    b = _batch(seed=8)
+    recorded_B = torch.tensor([True, False, True, False, False, True])
+    sampler = b["sampler"].clone()
+    sampler[~recorded_B] = 0.0  # what the trainer pads unrecorded rows with
+    loss_all, grad_all, _ = _run(b, ObjectiveSpec(), _norm_for(b["mask"]), sampler_logprobs_BT=b["sampler"])
+    loss, grad, stats = _run(
+        b, ObjectiveSpec(), _norm_for(b["mask"]), sampler_logprobs_BT=sampler, sampler_recorded_B=recorded_B
+    )
+    m = (b["mask"] > 0) & recorded_B[:, None]
+    gap = (b["lp"][m] - b["sampler"][m]).abs()
+    metrics = stats.to_metrics()
+    assert float(stats.gap_tokens) == float(m.sum()) == float(sum(n for n, r in zip(LENGTHS, recorded_B) if r))
+    torch.testing.assert_close(metrics["train/logprob_gap_mean"], gap.mean())
+    torch.testing.assert_close(metrics["train/logprob_gap_max"], gap.max())
+    torch.testing.assert_close(loss, loss_all)
+    torch.testing.assert_close(grad, grad_all)
+    none = torch.zeros(len(LENGTHS), dtype=torch.bool)  # a micro-batch without a recorded row
+    _, _, empty = _run(b, ObjectiveSpec(), _norm_for(b["mask"]), sampler_logprobs_BT=sampler, sampler_recorded_B=none)
+    assert float(empty.gap_tokens) == 0.0 and float(empty.logprob_gap_max) == 0.0
+    with pytest.raises(ValueError, match="some rows were not recorded"):
+        policy_loss(
+            _inputs(b, slice(None), sampler_logprobs_BT=sampler, sampler_recorded_B=recorded_B),
+            ObjectiveSpec(score_centering=True),
+            _norm_for(b["mask"]),
+        )
+
+
 def test_stats_merge_sums_and_maxes() -> None:
     one = torch.ones((), dtype=DT)
     a = LossStats(loss_sum=one, loss_tokens=4 * one, clipped_tokens=one, seqs=one, kl_sum=one, kl_max=3 * one)

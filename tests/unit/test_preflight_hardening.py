@@ -71,7 +71,7 @@ def test_opd_advantage_mode_needs_sampler_logprobs_at_every_step(
     vllm = ["rollout.backend=vllm", f"rollout.sampler_logprobs_every={every}"]
     report = _opd_report(capsys, model, *mode, *vllm)
     assert "status=1" in report
-    assert "rl.distillation_mode=advantage reads the student's rollout logprobs at every step" in report
+    assert "rl.distillation_mode=advantage reads the student's rollout logprobs of every completion" in report
     assert f"rollout.sampler_logprobs_every={every}" in report and "set rollout.sampler_logprobs_every=1" in report
     # recorded at every step, or by the transformers engine (which always records them): no such error
     assert "reads the student's rollout logprobs" not in _opd_report(
@@ -79,6 +79,21 @@ def test_opd_advantage_mode_needs_sampler_logprobs_at_every_step(
     )
     assert "reads the student's rollout logprobs" not in _opd_report(
         capsys, model, *mode, f"rollout.sampler_logprobs_every={every}"
+    )
+
+
+@pytest.mark.parametrize("mode", [DPCA, SAME_TOKEN_ADVANTAGE], ids=["dpca", "same_token_advantage"])
+def test_opd_advantage_mode_needs_sampler_logprobs_of_every_sample(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, mode: list[str]
+) -> None:
+    model = str(_model_dir(tmp_path))
+    report = _opd_report(capsys, model, *mode, "rollout.backend=vllm", "rollout.sampler_logprobs_samples=1")
+    assert "status=1" in report
+    assert "rollout.sampler_logprobs_samples=1 records them for 1 sample(s) per prompt only" in report
+    assert "set rollout.sampler_logprobs_samples=null" in report
+    # the transformers engine records every sample whatever the knob says
+    assert "reads the student's rollout logprobs" not in _opd_report(
+        capsys, model, *mode, "rollout.sampler_logprobs_samples=1"
     )
 
 

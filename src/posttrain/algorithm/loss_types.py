@@ -121,6 +121,10 @@ class LossInputs:
     """Frozen reference logprobs; required when ``kl_beta > 0``, used for the KL metrics otherwise."""
     sampler_logprobs_BT: Tensor | None = None
     """Rollout engine logprobs of the sampled tokens, when recorded (logprob gap, TIS / MIS)."""
+    sampler_recorded_B: Tensor | None = None
+    """Which rows' ``sampler_logprobs_BT`` were recorded (bool), when the engine recorded them for
+    some samples only (``rollout.sampler_logprobs_samples``); the others hold zeros and count in no
+    gap. None: every row was recorded. Only the gap may read partial rows (not TIS / MIS)."""
     head_ids_BTK: Tensor | None = None
     """Score centering: the sampler's top-K token ids per generated token (negative id = padding)."""
     head_sampler_logprobs_BTK: Tensor | None = None

@@ -79,6 +79,15 @@ def _check_token_advantages(token_advantages_BT: Tensor | None, shape: tuple[int
         raise ValueError("per-token advantages need importance_sampling_level=token (a sequence ratio has one A)")
 
 
+def _check_recorded_rows(recorded_B: Tensor | None, shape: tuple[int, ...], spec: ObjectiveSpec) -> None:
+    if recorded_B is None:
+        return
+    if tuple(recorded_B.shape) != shape[:1]:
+        raise ValueError(f"sampler_recorded_B has shape {tuple(recorded_B.shape)}, expected ({shape[0]},)")
+    if spec.score_centering:
+        raise ValueError("score centering weighs every row by its sampler logprobs; some rows were not recorded")
+
+
 def _check_inputs(inputs: LossInputs, spec: ObjectiveSpec) -> None:
     """Shape and presence checks (static, no device sync)."""
     shape = tuple(inputs.logprobs_BT.shape)
@@ -100,6 +109,7 @@ def _check_inputs(inputs: LossInputs, spec: ObjectiveSpec) -> None:
         raise ValueError("rl.kl_beta > 0 needs ref_logprobs_BT (build the reference: rl.ref.build_ref=true)")
     if spec.sc_compose != "none" and inputs.sampler_logprobs_BT is None:
         raise ValueError(f"rl.score_centering.compose={spec.sc_compose!r} needs the rollout's sampler_logprobs_BT")
+    _check_recorded_rows(inputs.sampler_recorded_B, shape, spec)
     if spec.score_centering:
         heads = (inputs.head_sampler_logprobs_BTK, inputs.head_policy_logprobs_BTK)
         if heads[0] is None or heads[1] is None:
@@ -229,9 +239,12 @@ def policy_loss(inputs: LossInputs, spec: ObjectiveSpec, norm: LossNormalizer) -
 
 def gap_stats(inputs: LossInputs, lp_BT: Tensor, mask_BT: Tensor) -> dict[str, Tensor]:
     """``|log pi - log q|`` over the loss tokens: the train/inference gap of the *current* training
-    forward against the rollout engine's recorded logprobs (empty when none were recorded)."""
+    forward against the rollout engine's recorded logprobs (empty when none were recorded), over
+    the recorded rows only when ``sampler_recorded_B`` names them."""
     if inputs.sampler_logprobs_BT is None:
         return {}
+    if inputs.sampler_recorded_B is not None:
+        mask_BT = mask_BT & inputs.sampler_recorded_B[:, None].to(torch.bool)
     gap_BT = (lp_BT.detach() - _masked(inputs.sampler_logprobs_BT.detach(), mask_BT, lp_BT.dtype)).abs()
     return {
         "logprob_gap_abs_sum": masked_sum(gap_BT, mask_BT),

@@ -154,6 +154,10 @@ class RolloutConfig(Section):
     docs/benchmarks.md); unrecorded, ``train/logprob_gap_*`` is absent on that step. Must be 1 when
     the loss or off-policy sampling reads them (score centering records them anyway). The
     transformers engine always records them (they are free there)."""
+    sampler_logprobs_samples: int | None = Field(None, ge=1)
+    """vLLM: only the first N samples of each group record the sampler's logprobs (``null``: all);
+    ``train/logprob_gap_*`` is measured on those, the draws are unchanged. Not for a loss that reads
+    them (refused); score centering records all. No gain on CPU (docs/benchmarks.md)."""
     batch_size: int = Field(256, ge=1)
     """Most sequences the hf engine decodes at once."""
     gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
@@ -168,12 +172,10 @@ class RolloutConfig(Section):
     """vLLM's asynchronous scheduling (overlaps the host-side scheduling of step k+1 with the GPU
     work of step k); ``null`` keeps vLLM's default."""
     separate_engine_process: bool = False
-    """vLLM: run the engine core (scheduler, model runner, sampler) in a process of its own instead
-    of the trainer's. Its host work then no longer takes turns with the trainer's on one GIL, which
-    is what lets ``rl.max_off_policy_steps=1`` sample the next batch while this one trains; weights
-    reach it through one buffer both processes map (shared memory; CUDA IPC on a GPU). Colocated
-    engines only. A script that calls posttrain's Python API needs an ``if __name__ ==
-    "__main__":`` guard then (the engine process may be spawned)."""
+    """vLLM: the engine core (scheduler, model runner, sampler) in a process of its own, so its host
+    work no longer takes turns with the trainer's on one GIL (what ``rl.max_off_policy_steps=1``
+    needs to overlap); weights go through one buffer both map (shared memory; CUDA IPC). Colocated
+    engines only; a script using the Python API needs an ``if __name__ == "__main__":`` guard."""
     enable_sleep_mode: bool = False
     """vLLM on a GPU: put the engine to sleep while the policy trains (its weights and KV cache leave
     GPU memory) and wake it for the next generation; ignored on CPU (docs/vllm.md)."""
@@ -190,7 +192,7 @@ class OptimizerConfig(Section):
     """The policy optimizer."""
 
     name: Literal["adamw", "fusedadam", "muon"] = "adamw"
-    """``adamw``; ``fusedadam`` (AdamW with the fused kernel on CUDA); ``muon`` (``torch.optim.Muon``,
+    """``adamw`` (torch's fused kernel on CUDA and CPU); ``fusedadam`` (the same); ``muon`` (``torch.optim.Muon``,
     Newton-Schulz in bf16, for hidden 2-D weights; fused AdamW for the rest; a Muon state saved
     before torch.optim.Muon does not resume)."""
     lr: float = Field(2e-5, gt=0.0)

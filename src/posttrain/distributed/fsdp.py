@@ -155,6 +155,17 @@ def largest_entry(named: list[tuple[str, Tensor | None]]) -> str:
 # -- DP-global reductions -----------------------------------------------------------------------
 
 
+def clip_to_total_norm(params: list[nn.Parameter], max_norm: float, total: Tensor) -> float:
+    """Scale the gradients of ``params`` as ``clip_grad_norm_`` does, given their ``total`` norm, and
+    return the norm. The scaling pass is skipped when torch's clamped coefficient is exactly 1 (the
+    usual step: multiplying by 1 changes no bit), which saves one read and write of every gradient;
+    a non-finite norm leaves the gradients as they are, so the caller can name the parameter."""
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # torch's own coefficient, in its dtype
+    if coef < 1.0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return float(total)
+
+
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
     """The policy's data-parallel mesh, and the reductions the trainer needs over it.
@@ -252,8 +263,7 @@ class DataParallel:
         total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         if isinstance(total, DTensor):
             total = total.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-        return float(total)
+        return clip_to_total_norm(params, max_norm, total)
 
     def all_finite(self, tensors: list[Tensor]) -> bool:
         """Whether every rank's shards of ``tensors`` are finite (one all-reduce of a flag)."""
@@ -295,7 +305,8 @@ class SingleProcess:
     @staticmethod
     def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
         """Clip to the gradient norm and return it (one host sync per step)."""
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        grads = [p.grad for p in params if p.grad is not None]
+        return clip_to_total_norm(params, max_norm, torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True))
 
     @staticmethod
     def all_finite(tensors: list[Tensor]) -> bool:

@@ -34,9 +34,11 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
             rms_match=cfg.muon_rms_match,
             fused=device.type in _FUSED_ADAMW_DEVICES,
         )
-    # `fusedadam` takes the fused kernel on CUDA only: on CPU it keeps the foreach path it always had
-    # (torch's CPU fused kernel rounds differently, by an ulp, and CPU runs stay bitwise as they were).
-    fused = cfg.name == "fusedadam" and device.type == "cuda"
+    # torch's fused AdamW kernel (one pass over each parameter, its gradient and both moments) where
+    # the device has one: on the 2-core CPU 89 ms per step against 299 ms for the multi-tensor
+    # (foreach) path's seven passes (docs/benchmarks.md). It rounds differently from foreach by an ulp,
+    # so runs before 2026-12-01 (fourth session) are not reproduced bit for bit; `fusedadam` is the same.
+    fused = device.type in _FUSED_ADAMW_DEVICES
     return torch.optim.AdamW(
         params,
         lr=cfg.lr,

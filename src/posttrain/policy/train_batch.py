@@ -98,13 +98,23 @@ def pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torc
     return out
 
 
-def sampler_logprobs_rows(batch: TrainBatch, rows: list[int], width: int, device: torch.device) -> torch.Tensor | None:
-    """The sampler's logprobs of ``rows`` padded to ``width`` (fp32), or None when the rollout did not
-    record them for some row (``rollout.sampler_logprobs_every``): then nothing compares against them."""
+def sampler_logprobs_rows(
+    batch: TrainBatch, rows: list[int], width: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The sampler's logprobs of ``rows`` padded to ``width`` (fp32) and which rows hold them:
+    ``(None, None)`` when the rollout recorded none this step (``rollout.sampler_logprobs_every``);
+    ``(logprobs_BT, None)`` when every row has them; ``(logprobs_BT, recorded_B)`` when it recorded
+    some samples only (``rollout.sampler_logprobs_samples``), the others zeros. Whether the step
+    recorded is read from the whole batch, so every micro-batch (even one without a recorded row)
+    reports the gap's fields alike and ranks reduce the same ones."""
+    if all(lp is None for lp in batch.sampler_logprobs):
+        return None, None
     chosen = [batch.sampler_logprobs[i] for i in rows]
-    if any(lp is None for lp in chosen):
-        return None
-    return pad_rows([torch.tensor(lp, dtype=torch.float32) for lp in chosen if lp is not None], width, device)
+    rows_T = [torch.tensor(lp if lp is not None else [], dtype=torch.float32) for lp in chosen]
+    logprobs_BT = pad_rows(rows_T, width, device)
+    if all(lp is not None for lp in chosen):
+        return logprobs_BT, None
+    return logprobs_BT, torch.tensor([lp is not None for lp in chosen], dtype=torch.bool, device=device)
 
 
 def token_advantage_rows(

@@ -333,7 +333,7 @@ class PolicyTrainer:
             with torch.no_grad():
                 ref_BT = self._logprobs(self.ref_model, pb, row_images(batch.images, rows))
             self.dp.reshard(self.ref_model)  # a sharded reference keeps no gathered unit between passes
-        sampler_BT = sampler_logprobs_rows(batch, rows, width, self.device)
+        sampler_BT, sampler_recorded_B = sampler_logprobs_rows(batch, rows, width, self.device)
         token_adv_BT = None
         if batch.token_advantages is not None:
             token_adv_BT = token_advantage_rows(batch.token_advantages, rows, width, self.device)
@@ -345,6 +345,7 @@ class PolicyTrainer:
             mask_BT=mask_BT,
             ref_logprobs_BT=ref_BT,
             sampler_logprobs_BT=sampler_BT,
+            sampler_recorded_B=sampler_recorded_B,
             **topk,
         )
 

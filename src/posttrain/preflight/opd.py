@@ -120,15 +120,19 @@ def _rollout_logprob_problems(cfg: OPDConfig) -> list[str]:
     """Advantage mode (DPCA included) scores the student's realized tokens by their rollout logprobs
     (the clipped surrogate's pi_old; DPCA's chunk sums), so every step must record them. The
     transformers engine always does; vLLM only as ``rollout.sampler_logprobs_every`` says."""
-    every = cfg.rollout.sampler_logprobs_every
-    if cfg.rollout.backend != "vllm" or every == 1:
+    every, samples = cfg.rollout.sampler_logprobs_every, cfg.rollout.sampler_logprobs_samples
+    if cfg.rollout.backend != "vllm" or (every == 1 and samples is None):
         return []
-    when = "never" if every == 0 else f"only with the weights of every {every}-th optimizer step"
     dpca = " (and DPCA sums them per chunk)" if cfg.rl.teacher.signal_mode == "dpca" else ""
+    if every != 1:
+        when = "never" if every == 0 else f"only with the weights of every {every}-th optimizer step"
+        fix, setting = "set rollout.sampler_logprobs_every=1", f"rollout.sampler_logprobs_every={every}"
+    else:
+        when = f"for {samples} sample(s) per prompt only"
+        fix, setting = "set rollout.sampler_logprobs_samples=null", f"rollout.sampler_logprobs_samples={samples}"
     return [
-        f"rl.distillation_mode=advantage reads the student's rollout logprobs at every step{dpca}, but "
-        f"rollout.backend=vllm with rollout.sampler_logprobs_every={every} records them {when}: "
-        "set rollout.sampler_logprobs_every=1"
+        f"rl.distillation_mode=advantage reads the student's rollout logprobs of every completion at every "
+        f"step{dpca}, but rollout.backend=vllm with {setting} records them {when}: {fix}"
     ]
 
 

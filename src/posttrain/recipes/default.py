@@ -4,8 +4,9 @@ Prompts are "What is a + b? Reply with only the number." with a, b drawn from 1.
 the model's chat template. The reward is 1 when the last number of the completion equals a + b.
 The untrained model ends on the right number in roughly one completion in ten (it often restates
 the question or rambles), so many groups mix right and wrong answers and GRPO has a signal from
-step 0. On a 2-core CPU (fp32) the 60 steps take about 7 minutes and the reward climbs from about
-0.4 (first quarter) to about 0.8 (last quarter); benchmarks/cpu_default.md has the curve. On a GPU
+step 0. On a 2-core CPU (fp32) the 60 steps take about 4.5 minutes and the reward climbs from about
+0.4 (first quarter) to 0.7-0.8 (last quarter); benchmarks/cpu_default.md and docs/benchmarks.md
+have the curves. On a GPU
 the same learning rate works as is: the policy keeps fp32 master weights and computes in bf16
 (benchmarks/gpu_precision.md: 0.49 -> 0.87 over 200 steps with the vLLM engine on one H200).
 """

@@ -26,6 +26,9 @@ class SamplingParams:
     """Engines whose logprobs cost extra (vLLM) record ``Completion.logprobs`` only when their weights
     come from an optimizer step that is a multiple of N (the initial weights included); 0: never.
     ``logprobs_topk > 0`` records them always."""
+    sampler_logprobs_samples: int | None = None
+    """When recording, only the first N samples of each prompt record them (``None``: all); engines
+    whose logprobs are free may record every one. ``logprobs_topk > 0`` records every sample."""
     logprobs_topk: int = 0
     """When > 0 the engine also returns, per generated token, the top-k ids and logprobs of the
     distribution it sampled from (``Completion.extra["head_ids"]`` / ``["head_logprobs"]``: one list of

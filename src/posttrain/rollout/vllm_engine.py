@@ -144,6 +144,7 @@ class VLLMRolloutEngine:
         self.sleep_level = sleep_level
         self._asleep: set[str] = set()  # which of {"weights", "kv_cache"} vLLM holds asleep now
         self._weights_dropped = False  # level-2 sleep discarded the weights and no load_weights followed
+        self._loaded_version: int | None = None  # the version a transfer wrote into vLLM, while it holds it
         self.last_sleep_s = 0.0  # seconds the last sleep took (reported as rollout/sleep_s)
         self.last_wake_s = 0.0  # seconds spent waking up since the last sleep (weights + KV cache)
         engine_args = _engine_args(
@@ -258,12 +259,21 @@ class VLLMRolloutEngine:
     def receive_weights(self, weights: PolicyWeights, version: int) -> None:
         """The policy's current weights into the vLLM model (see ``load_weights``): its own tensors
         in one process, the gathered full tensors when it is sharded (a collective every rank's
-        engine calls in step). A LoRA policy sends its adapter alone, as a new LoRA request."""
+        engine calls in step). A LoRA policy sends its adapter alone, as a new LoRA request.
+
+        A version this engine already loaded and still holds is not sent again: the optimizer step
+        skipped (every group tied) leaves the policy's weights, and their version, unchanged. Every
+        rank skips alike (the version is the same on all), so no rank waits in a gather alone."""
+        if self._loaded_version == version and not self._weights_dropped:
+            self.state.check_usable()
+            self.last_sync_s = 0.0
+            return
         if self._adapters is not None:
             self.wake_up()
             self._adapters.sync(weights.module, version)  # poisons the engine on a failure
             self.last_sync_s = self._adapters.last_sync_s
             self.state.commit(version)
+            self._loaded_version = version
             return
         self.load_weights(weights.full_state_dict(), version)
 
@@ -277,6 +287,7 @@ class VLLMRolloutEngine:
         self._adapters.load(trained, peft_config, version)
         self.last_sync_s = self._adapters.last_sync_s
         self.state.commit(version)
+        self._loaded_version = version
 
     def load_weights(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
@@ -320,6 +331,7 @@ class VLLMRolloutEngine:
             ) from err
         self.last_sync_s = time.perf_counter() - start
         self.state.commit(version)
+        self._loaded_version = version
 
     # -- sampling ------------------------------------------------------------------------------
     def generate(
@@ -349,7 +361,7 @@ class VLLMRolloutEngine:
         call_index = self.state.next_call()
         record = records_logprobs(params, self.weight_version)
         per_call = self.seeding == "call" and params.seed is not None
-        owners, prompts, requests = call_requests(
+        owners, prompts, requests, recorded = call_requests(
             prompt_token_ids, n, params, call_index=call_index, eos_ids=self.eos_ids, record=record,
             seed_prompts=not per_call,
         )  # fmt: skip
@@ -371,7 +383,7 @@ class VLLMRolloutEngine:
         gen_s = time.perf_counter() - start
         if images is not None and pad_id is not None:
             check_engine_expansion(outputs, owners, prompt_token_ids, pad_id)
-        completions = call_completions(owners, outputs, params.logprobs_topk, record)
+        completions = call_completions(owners, outputs, params.logprobs_topk, recorded)
         if self.return_routed_experts:
             attach_routed_experts(completions, owners, outputs)
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)

@@ -75,21 +75,47 @@ def call_requests(
     eos_ids: list[int],
     record: bool,
     seed_prompts: bool = True,
-) -> tuple[list[int], list[Any], list[Any]]:
-    """The requests of one ``generate`` call: ``(owners, prompts, requests)``, where ``owners[i]`` is
-    the prompt index of request ``i``. One request of ``n`` samples per prompt, except greedy, where
-    vLLM refuses n > 1: the ``n`` identical copies go as ``n`` requests. ``seed_prompts=False``: the
-    requests go unseeded (the engine seeded its generators for the call, ``rollout/vllm_seeding.py``)."""
+) -> tuple[list[int], list[Any], list[Any], list[bool]]:
+    """The requests of one ``generate`` call: ``(owners, prompts, requests, recorded)``, where
+    ``owners[i]`` is the prompt index of request ``i`` and ``recorded[i]`` whether it asks for the
+    sampler's logprobs. One request of ``n`` samples per prompt, except greedy, where vLLM refuses
+    n > 1: the ``n`` identical copies go as ``n`` requests. ``seed_prompts=False``: the requests go
+    unseeded (the engine seeded its generators for the call, ``rollout/vllm_seeding.py``).
+
+    With ``params.sampler_logprobs_samples = k < n`` a recording call splits each prompt's request
+    in two: its first ``k`` samples, which record, and the other ``n - k``, which do not. vLLM seeds
+    sample ``i`` of a request seeded ``s`` with ``s + i``, so the second request, seeded ``s + k``,
+    draws exactly what samples ``k..n-1`` of the unsplit request would have drawn."""
     from vllm.inputs import TokensPrompt
 
-    copies = n if params.temperature <= 0 else 1
-    owners = [p for p in range(len(prompt_token_ids)) for _ in range(copies)]
-    requests = [
-        sampling_request(params, n // copies, call_index, p, eos_ids=eos_ids, record=record, seeded=seed_prompts)
-        for p in owners
-    ]
+    k = recorded_samples(params, n, record)
+    parts = [(0, n, record)] if k in (0, n) else [(0, k, True), (k, n - k, False)]
+    if params.temperature <= 0:  # n single copies; the first k record
+        parts = [(i, 1, i < k) for i in range(n)]
+    owners, requests, recorded = [], [], []
+    for p in range(len(prompt_token_ids)):
+        for offset, count, rec in parts:
+            owners.append(p)
+            recorded.append(rec)
+            requests.append(
+                sampling_request(
+                    params, count, call_index, p, eos_ids=eos_ids, record=rec, seeded=seed_prompts,
+                    seed_offset=offset if params.temperature > 0 else 0,
+                )
+            )  # fmt: skip
     prompts = [TokensPrompt(prompt_token_ids=list(prompt_token_ids[p])) for p in owners]
-    return owners, prompts, requests
+    return owners, prompts, requests, recorded
+
+
+def recorded_samples(params: SamplingParams, n: int, record: bool) -> int:
+    """How many of a prompt's ``n`` samples record the sampler's logprobs in a call that records
+    (``record``): all of them unless ``sampler_logprobs_samples`` says fewer; a top-k head is
+    recorded for every sample (score centering reads every one)."""
+    if not record:
+        return 0
+    if params.logprobs_topk > 0 or params.sampler_logprobs_samples is None:
+        return n
+    return min(n, params.sampler_logprobs_samples)
 
 
 def sampling_request(
@@ -101,6 +127,7 @@ def sampling_request(
     eos_ids: list[int],
     record: bool,
     seeded: bool = True,
+    seed_offset: int = 0,
 ) -> Any:
     """vLLM sampling params for one prompt: its own seed (unless not ``seeded``), our EOS ids, no detokenization (the
     tokenizer decodes the whole batch at once afterwards), the sampled token's logprob (+ top-k)
@@ -114,20 +141,26 @@ def sampling_request(
         top_p=params.top_p,
         top_k=params.top_k if params.top_k > 0 else 0,
         repetition_penalty=params.repetition_penalty,
-        seed=None if params.seed is None or not seeded else prompt_seed(params.seed, call_index, prompt_index),
+        seed=None
+        if params.seed is None or not seeded
+        else prompt_seed(params.seed, call_index, prompt_index) + seed_offset,
         stop_token_ids=eos_ids,
         logprobs=max(params.logprobs_topk, 0) if record else None,
         detokenize=False,
     )
 
 
-def call_completions(owners: list[int], outputs: Sequence[Any], k: int, record: bool) -> list[Completion]:
+def call_completions(
+    owners: list[int], outputs: Sequence[Any], k: int, record: bool | Sequence[bool]
+) -> list[Completion]:
     """The ``Completion``s of one call's vLLM outputs, grouped by prompt, samples in vLLM's index
-    order (texts left empty: the caller decodes the whole batch at once)."""
+    order (texts left empty: the caller decodes the whole batch at once). ``record``: whether the
+    requests recorded the sampler's logprobs, for all of them or per request."""
+    recorded = [record] * len(owners) if isinstance(record, bool) else list(record)
     completions = []
-    for prompt_index, request_output in zip(owners, outputs):
+    for prompt_index, request_output, rec in zip(owners, outputs, recorded):
         for sample in sorted(request_output.outputs, key=lambda o: o.index):
-            completions.append(completion_of(prompt_index, sample, k, record))
+            completions.append(completion_of(prompt_index, sample, k, rec))
     return completions
 
 

