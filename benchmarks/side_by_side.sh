@@ -11,7 +11,8 @@
 #          the request settings one by one, the cost growth in prompts (8 to 256) and completion
 #          length (64 to 2048) with the shipped settings, then W with compiled layers
 #   more   one-step off-policy with the engine core in its own process; the 1.5B shape; TRL on W
-#   small  the default recipe's small step (ours with vLLM; TRL's on the same task), TRL at 1.5B
+#   small  the default recipe's small step (ours with vLLM; TRL's on the same task), TRL at 1.5B,
+#          then each fixed cost of that step alone (benchmarks/step_overheads.py)
 #   trl    TRL at the growth grid's corners (128 prompts; 1,024 tokens) and the 135M shape, ours at 135M
 #   table  the tables from /tmp/sbs
 #
@@ -97,6 +98,9 @@ case "${1:-}" in
     timeout 170 python3 "$PEERS/trl_grpo_gpu_learn.py" 40 5e-5 "$hf" >"$R/trl_small.log" 2>&1
     echo "trl_small rc=$?"; grep TRLLEARN "$R/trl_small.log" | cut -c1-300
     trl w15 200 /tmp/m15 32,8,256
+    # each fixed cost of the small step on its own (weight sync, rendering, metrics, clip, optimizer...)
+    timeout 150 python3 benchmarks/step_overheads.py --device cuda --engine vllm --out "$R/overheads_vllm.json" \
+      >"$R/overheads_vllm.log" 2>&1; echo "overheads rc=$?"; grep -E "^\|" "$R/overheads_vllm.log" | head -30
     cp -r "$R"/* "$OUT"/ 2>/dev/null ;;
   trl)
     environment
