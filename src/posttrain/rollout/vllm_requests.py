@@ -89,9 +89,13 @@ def call_requests(
     from vllm.inputs import TokensPrompt
 
     k = recorded_samples(params, n, record)
-    parts = [(0, n, record)] if k in (0, n) else [(0, k, True), (k, n - k, False)]
-    if params.temperature <= 0:  # n single copies; the first k record
-        parts = [(i, 1, i < k) for i in range(n)]
+    # (seed offset, samples, records) of each request a prompt gets
+    if params.temperature <= 0:  # greedy: n single copies under the prompt's seed; the first k record
+        parts = [(0, 1, i < k) for i in range(n)]
+    elif 0 < k < n:
+        parts = [(0, k, True), (k, n - k, False)]
+    else:
+        parts = [(0, n, k == n)]
     owners, requests, recorded = [], [], []
     for p in range(len(prompt_token_ids)):
         for offset, count, rec in parts:
@@ -100,7 +104,7 @@ def call_requests(
             requests.append(
                 sampling_request(
                     params, count, call_index, p, eos_ids=eos_ids, record=rec, seeded=seed_prompts,
-                    seed_offset=offset if params.temperature > 0 else 0,
+                    seed_offset=offset,
                 )
             )  # fmt: skip
     prompts = [TokensPrompt(prompt_token_ids=list(prompt_token_ids[p])) for p in owners]
