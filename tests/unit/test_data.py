@@ -247,6 +247,15 @@ def test_jsonl_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> No
         JsonlSource(str(path))
 
 
+@pytest.mark.parametrize("end", ["\n", "\r\n", "\r"])
+def test_a_row_cut_short_is_reported_at_its_own_end(tmp_path: Path, end: str) -> None:
+    # the decoder must not see the line end: past it, the error would read "column 1" of a next line
+    path = tmp_path / "cut.jsonl"
+    path.write_bytes(('{"prompt": "x", "answer": 1}' + end + '{"prompt": "oops", "answer": ' + end).encode())
+    with pytest.raises(DataError, match=r"cut\.jsonl line 2: not valid JSON \(Expecting value at column 30\)"):
+        JsonlSource(str(path))
+
+
 # ---------------------------------------------------------------- datasets on disk
 
 

@@ -222,7 +222,9 @@ def jsonl_lines(path: str) -> Iterator[tuple[int, str | DataError]]:
                     continue
                 if lineno == 0:
                     text = text.removeprefix("\ufeff")
-                for piece in _split_cr(text) if "\r" in text else (text,):
+                # a line without its end, so a row cut short is reported at its own end, not at column 1
+                # of the "next line" the decoder would see after the newline
+                for piece in _split_cr(text) if "\r" in text else (text.removesuffix("\n"),):
                     lineno += 1
                     if piece.strip():
                         yield lineno, piece
