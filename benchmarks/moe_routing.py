@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from posttrain.models.precision import compute_weights, resolve_precision
 from posttrain.models.routing_replay import pin_routing, record_routing
 from posttrain.models.tiny import make_tiny_moe_model
 from posttrain.policy.batching import build_policy_batch
@@ -99,12 +100,13 @@ def _gap(trainer_BT: torch.Tensor, seqs, sampler) -> tuple[float, float]:
 
 def measure(model_dir: str, seqs, traces, sampler_logprobs, device: str) -> dict[str, float]:
     """The trainer's side: its own routing and logprobs on the padded batch, then pinned. fp32
-    weights; on CUDA the forward computes in bf16 under autocast, as a run's default precision does."""
+    weights; on CUDA the forward computes on bf16 copies of them, as a run's default precision does
+    (under autocast up to 2026-12-01, when the recorded results were taken)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     prompts, comps = [p for p, _ in seqs], [c for _, c in seqs]
     pb = build_policy_batch(prompts, comps, pad_id=0, device=device)
-    compute = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
-    with compute, record_routing(model) as rec, torch.no_grad():
+    precision = resolve_precision("float32", "auto", torch.device(device))
+    with compute_weights(model, precision), record_routing(model) as rec, torch.no_grad():
         free_BT = completion_logprobs(model, pb)
     result: dict[str, float] = {}
     result["gap_mean_off"], result["gap_max_off"] = _gap(free_BT, seqs, sampler_logprobs)
@@ -124,7 +126,7 @@ def measure(model_dir: str, seqs, traces, sampler_logprobs, device: str) -> dict
     result["topk_mismatch_pairs"] = differs_pairs / pairs
     result["topk_mismatch_tokens"] = differs_tokens / tokens
     calls = [t.to(device) for t in batch_routing(pb, RoutingTrace(traces), prompts, comps)]
-    with compute, pin_routing(model, calls), torch.no_grad():
+    with compute_weights(model, precision), pin_routing(model, calls), torch.no_grad():
         pinned_BT = completion_logprobs(model, pb)
     result["gap_mean_on"], result["gap_max_on"] = _gap(pinned_BT, seqs, sampler_logprobs)
     return result
@@ -165,7 +167,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     r = measure(model_dir, seqs, traces, logprobs, device)
     tokens = sum(len(c) for _, c in seqs)
-    compute = "fp32 weights, bf16 autocast" if device == "cuda" else "fp32"
+    compute = "fp32 weights read as bf16 copies" if device == "cuda" else "fp32"
     print(f"sampler: {where}; trainer: {compute}, padded batch on {device}; {len(seqs)} completions, {tokens} tokens")
     print("| replay | top-k differs (pos x layer) | top-k differs (positions) | logprob gap mean | logprob gap max |")
     print("|---|---|---|---|---|")

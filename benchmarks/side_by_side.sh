@@ -6,14 +6,16 @@
 #   bash benchmarks/side_by_side.sh all          # ours, more, small, then the tables
 #
 # The device caps a call at 10 minutes, so there it runs as four calls on one warm machine (results
-# stay in /tmp/sbs between calls and each call also copies them to $OUT):
+# stay in /tmp/sbs between calls and each call also packs them all into $OUT/sbs.tgz, one file
+# because a call returns only a few files):
 #   ours   workload W (0.4B shape, 32 prompts x 8 samples x 256 tokens) in one process on one engine:
 #          the request settings one by one, the cost growth in prompts (8 to 256) and completion
 #          length (64 to 2048) with the shipped settings, then W with compiled layers
 #   more   one-step off-policy with the engine core in its own process; the 1.5B shape; TRL on W
 #   small  the default recipe's small step (ours with vLLM; TRL's on the same task), TRL at 1.5B,
 #          then each fixed cost of that step alone (benchmarks/step_overheads.py)
-#   trl    TRL at the growth grid's corners (128 prompts; 1,024 tokens) and the 135M shape, ours at 135M
+#   trl    ours at 1,024 and 2,048 tokens (own process), TRL at the growth grid's corners (128 prompts;
+#          1,024 tokens) and the 135M shape, ours at 135M
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -64,8 +66,10 @@ W_ARMS="seeded_all:steps=5,sampler_logprobs_samples=none;seeded_first:steps=5,$S
 unseeded_none:steps=4,unseeded=1,sampler_logprobs_every=0;unseeded_first:steps=4,unseeded=1,$SHIPPED"
 COMPILED_ARM="compiled:steps=6,compile=1,$SHIPPED"  # last: compiled layers stay compiled
 GROWTH_ARMS="p8:steps=4,prompts=8,$SHIPPED;p64:steps=4,prompts=64,$SHIPPED;p128:steps=3,prompts=128,$SHIPPED;\
-p256:steps=3,prompts=256,$SHIPPED;t64:steps=4,max_tokens=64,$SHIPPED;t1024:steps=3,max_tokens=1024,micro_batch=16,$SHIPPED;\
-t2048:steps=3,max_tokens=2048,micro_batch=8,$SHIPPED"
+p256:steps=3,prompts=256,$SHIPPED;t64:steps=4,max_tokens=64,$SHIPPED"
+# the long completions in a process of their own (in W's process, after p256, t1024 ran out of GPU
+# memory on 2026-12-02 and took the remaining arms with it)
+LONG_ARMS="t1024:steps=3,max_tokens=1024,micro_batch=8,$SHIPPED;t2048:steps=3,max_tokens=2048,micro_batch=4,$SHIPPED"
 case "${1:-}" in
   stage)
     mkdir -p /tmp/vparts && cp .vx/part* /tmp/vparts/ && ls /tmp/vparts ;;
@@ -77,7 +81,7 @@ case "${1:-}" in
     (model 1.5b /tmp/m15 &)  # for `more`, meanwhile
     step w "${W_TIMEOUT:-530}" --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --arms "$W_ARMS;$GROWTH_ARMS;$COMPILED_ARM" \
       --out-dir "$R/w"
-    cp -r "$R"/* "$OUT"/ 2>/dev/null; ls "$R/w" ;;
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null; ls "$R/w" ;;
   more)
     environment
     step w_offpolicy 170 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
@@ -86,7 +90,7 @@ case "${1:-}" in
     step w15 170 --model /tmp/m15 --micro-batch 32 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
       --out "$R/w15.json"
     trl w 200 /tmp/m05 32,8,256
-    cp -r "$R"/* "$OUT"/ 2>/dev/null ;;
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   small)
     environment
     # the default recipe as a user runs it, with vLLM; its per-step timers in metrics.jsonl
@@ -97,20 +101,21 @@ case "${1:-}" in
     hf=$(dirname "$(ls -d /tmp/cache/*/*/config.json 2>/dev/null | head -1)")  # the converted SmolLM2
     timeout 170 python3 "$PEERS/trl_grpo_gpu_learn.py" 40 5e-5 "$hf" >"$R/trl_small.log" 2>&1
     echo "trl_small rc=$?"; grep TRLLEARN "$R/trl_small.log" | cut -c1-300
-    trl w15 200 /tmp/m15 32,8,256
+    [ -z "${SKIP_TRL15:-}" ] && trl w15 200 /tmp/m15 32,8,256
     # each fixed cost of the small step on its own (weight sync, rendering, metrics, clip, optimizer...)
     timeout 150 python3 benchmarks/step_overheads.py --device cuda --engine vllm --out "$R/overheads_vllm.json" \
       >"$R/overheads_vllm.log" 2>&1; echo "overheads rc=$?"; grep -E "^\|" "$R/overheads_vllm.log" | head -30
-    cp -r "$R"/* "$OUT"/ 2>/dev/null ;;
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   trl)
     environment
+    step tlong 240 --model /tmp/m05 --micro-batch 8 --max-model-len 2200 --arms "$LONG_ARMS" --out-dir "$R/w"
     trl p128 200 /tmp/m05 32,32,256
     trl t1024 200 /tmp/m05 16,16,1024
     model 135m /tmp/m135
     step w135 150 --model /tmp/m135 --micro-batch 64 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
       --out "$R/w135.json"
     trl w135 170 /tmp/m135 32,8,256
-    cp -r "$R"/* "$OUT"/ 2>/dev/null ;;
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)

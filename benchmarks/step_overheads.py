@@ -91,7 +91,9 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.compile:
         overrides.append("model.compile=true")
     cfg = build_config("default", overrides)
-    with contextlib.redirect_stdout(io.StringIO()):
+    # a real file, not a StringIO: vLLM's engine start asks sys.stdout for its fileno (it failed so
+    # on the GPU, 2026-12-02)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         run = start_run(cfg, [], grpo_objective(cfg))
     return cfg, run
 

@@ -42,7 +42,7 @@ def test_default_precision_on_cuda_is_mixed_and_a_run_trains(tiny_model_dir: str
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["train/grad_norm"] > 0 for r in records)
     assert torch.cuda.max_memory_allocated() > 0
-    # fp32 master weights by default on CUDA (the compute runs in bf16 under autocast)
+    # fp32 master weights by default on CUDA (the compute runs on bf16 copies of them)
     from posttrain.models.precision import resolve_precision
 
     assert "on cuda:0 in torch.float32" in (run_dir / "train.log").read_text()

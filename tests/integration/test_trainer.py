@@ -104,6 +104,16 @@ def test_auto_prefix_sharing_follows_prompt_and_completion_lengths(tiny_model_di
     )
     assert trainer._decide_sharing(long_prompts) and not trainer._decide_sharing(short_prompts)
     assert isinstance(trainer._model_batch(short_prompts, [0, 1, 2, 3]), PolicyBatch)
+    # compiled layers take the plain path under auto (the shared path recompiles them per layer);
+    # asked for by name, sharing still holds
+    compiled = build_config(None, ["rl.batch_per_replica=4", "rl.group_size=2", "model.compile=true"])
+    trainer = PolicyTrainer(_load(tiny_model_dir), compiled, objective=grpo_objective(compiled), pad_id=2)
+    assert not trainer._decide_sharing(long_prompts)
+    forced = build_config(
+        None, ["rl.batch_per_replica=4", "rl.group_size=2", "model.compile=true", "model.share_prompt_prefix=true"]
+    )
+    trainer = PolicyTrainer(_load(tiny_model_dir), forced, objective=grpo_objective(forced), pad_id=2)
+    assert trainer._decide_sharing(long_prompts)
 
 
 def test_mini_batches_take_several_steps_and_pass_the_probe(tiny_model_dir: str) -> None:

@@ -1,6 +1,6 @@
 """Mixed precision (fp32 master weights, bf16 compute): the dtype choice per device, the refused
-combinations, ten training steps against fp32, the rollout engines' dtype, and the CPU default
-computing in fp32 with no autocast entered at all."""
+combinations, the cast-once weights against a pure-bf16 copy, ten training steps against fp32,
+the rollout engines' dtype, and the CPU default computing in fp32 with nothing entered at all."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from posttrain.config.loading import build_config
 from posttrain.distributed.fsdp import mixed_precision_policy
 from posttrain.errors import ConfigError
-from posttrain.models.precision import compute_autocast, precision_conflict, resolve_precision
+from posttrain.models.precision import compute_weights, precision_conflict, resolve_precision
 from posttrain.policy.objective import grpo_objective
 from posttrain.policy.train_batch import TrainBatch
 from posttrain.policy.trainer import PolicyTrainer, build_reference
@@ -158,13 +158,13 @@ def test_weights_are_cast_to_the_engine_dtype_on_sync() -> None:
     assert _as_engine_dtype(sent, torch.bfloat16) is sent
 
 
-def test_hf_engine_samples_under_the_training_autocast(tiny_model_dir: str) -> None:
+def test_hf_engine_samples_with_the_training_weights(tiny_model_dir: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     params = SamplingParams(max_tokens=3, seed=0)
-    for extra, want in ([], (torch.float32, False)), (["model.compute_dtype=bfloat16"], (torch.bfloat16, True)):
+    for extra, want in ([], (torch.float32, False)), (["model.compute_dtype=bfloat16"], (torch.bfloat16, False)):
         cfg = build_config(None, ["model.device=cpu", *extra])
         engine = build_hf_engine(cfg, model, tok)
         assert engine.precision == policy_precision(cfg, model)
@@ -181,19 +181,20 @@ def test_cpu_default_computes_in_fp32_without_autocast(tiny_model_dir: str) -> N
     trainer, _, seen = _train(tiny_model_dir, [], steps=1)
     assert not trainer.precision.mixed
     assert seen and set(seen) == {(torch.float32, False)}  # pi_old, reference and update passes alike
-    with compute_autocast(trainer.precision, CPU):
-        assert not torch.is_autocast_enabled("cpu")  # nothing entered when not mixed
+    before = [id(p) for p in trainer.model.parameters()]
+    with compute_weights(trainer.model, trainer.precision):
+        assert [id(p) for p in trainer.model.parameters()] == before  # nothing entered when not mixed
 
 
 def test_mixed_precision_tracks_fp32_over_ten_steps(tiny_model_dir: str) -> None:
     fp32, fp32_losses, _ = _train(tiny_model_dir, [])
     assert not fp32.precision.mixed
     mixed, mixed_losses, seen = _train(tiny_model_dir, ["model.compute_dtype=bfloat16"])
-    assert mixed.precision.mixed and set(seen) == {(torch.bfloat16, True)}
+    assert mixed.precision.mixed and set(seen) == {(torch.bfloat16, False)}  # bf16 weights, no autocast
     gaps = [abs(a - b) for a, b in zip(fp32_losses, mixed_losses)]
     assert max(gaps) <= LOSS_ATOL, (fp32_losses, mixed_losses)
     assert fp32_losses != mixed_losses  # bf16 compute really ran: the curves are close, not equal
-    # fp32 master weights and optimizer state; the reference copy is fp32 too (computed under autocast)
+    # fp32 master weights and optimizer state; the reference copy is fp32 too (read as bf16 copies)
     assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
     assert mixed.ref_model is not None and all(p.dtype == torch.float32 for p in mixed.ref_model.parameters())
     states = [s for s in mixed.optimizer.state.values() if s]
@@ -204,6 +205,53 @@ def test_mixed_precision_tracks_fp32_over_ten_steps(tiny_model_dir: str) -> None
 def test_gradient_checkpointing_under_mixed_precision(tiny_model_dir: str) -> None:
     _, plain, _ = _train(tiny_model_dir, ["model.compute_dtype=bfloat16"], steps=3)
     _, ckpt, seen = _train(tiny_model_dir, ["model.compute_dtype=bfloat16", "model.gradient_checkpointing=true"], 3)
-    # the recomputation in backward runs under the autocast of the forward it replays
-    assert set(seen) == {(torch.bfloat16, True)}
+    # the recomputation in backward reads the same bf16 copies as the forward it replays
+    assert set(seen) == {(torch.bfloat16, False)}
     torch.testing.assert_close(torch.tensor(ckpt), torch.tensor(plain), atol=1e-6, rtol=0)
+
+
+# -- the cast-once weights -----------------------------------------------------------------------
+
+
+def test_compute_weights_is_a_pure_bf16_forward_with_fp32_gradients(tiny_model_dir: str) -> None:
+    """Inside ``compute_weights`` the fp32 model computes exactly what its bf16 copy computes (the
+    whole forward in bf16, not only the matrix products as under autocast), and the gradient lands
+    on the fp32 parameters as the bf16 copy's gradient widened to fp32."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    bf16 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for param in bf16.parameters():  # parameters only: buffers (rotary frequencies) stay fp32 alike
+        param.data = param.data.to(torch.bfloat16)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+    mixed = resolve_precision("float32", "bfloat16", CPU)
+    params = dict(model.named_parameters())
+    with compute_weights(model, mixed):
+        inner = dict(model.named_parameters())
+        assert all(t.dtype == torch.bfloat16 and not isinstance(t, nn.Parameter) for t in inner.values())
+        logits = model(input_ids=ids).logits
+        logits.float().logsumexp(-1).sum().backward()
+    want = bf16(input_ids=ids).logits
+    want.float().logsumexp(-1).sum().backward()
+    assert logits.dtype == torch.bfloat16 and torch.equal(logits, want)
+    assert dict(model.named_parameters()) == params  # the fp32 Parameters are back, the same objects
+    grads = {n: p.grad for n, p in bf16.named_parameters()}
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.float32 and param.grad is not None and param.grad.dtype == torch.float32
+        torch.testing.assert_close(param.grad, grads[name].float(), atol=0, rtol=0, msg=name)
+    # autocast, the path this replaced, is a different computation: fp32 residual stream and norms
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not torch.equal(model(input_ids=ids).logits.to(torch.bfloat16), want)
+
+
+def test_compute_weights_casts_a_tied_weight_once_and_nests() -> None:
+    tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    mixed = resolve_precision("float32", "bfloat16", CPU)
+    with compute_weights(tied, mixed):
+        assert tied[0].weight is tied[1].weight and tied[0].weight.dtype == torch.bfloat16
+        copy = tied[0].weight
+        with compute_weights(tied, mixed):  # an inner entry finds them cast and changes nothing
+            assert tied[1].weight is copy
+        assert tied[1].weight is copy
+        tied(torch.tensor([1, 2])).float().sum().backward()
+    assert isinstance(tied[0].weight, nn.Parameter) and tied[0].weight is tied[1].weight
+    assert tied[0].weight.grad is not None and tied[0].weight.grad.dtype == torch.float32

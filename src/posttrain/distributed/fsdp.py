@@ -393,12 +393,12 @@ def mixed_precision_policy(param_dtype: torch.dtype, compute_dtype: torch.dtype)
 
 
 def mixed_forward(
-    model: nn.Module, autocast: contextlib.AbstractContextManager[None]
+    model: nn.Module, plain: contextlib.AbstractContextManager[None]
 ) -> contextlib.AbstractContextManager[None]:
-    """The context a mixed-precision forward of ``model`` runs in: ``autocast`` for a plain module;
-    nothing for an FSDP2-sharded one, whose MixedPrecisionPolicy (``mixed_precision_policy``)
-    computes in the compute dtype already (autocast on top would apply it twice)."""
-    return contextlib.nullcontext() if is_sharded(model) else autocast
+    """The context a mixed-precision forward of ``model`` runs in: ``plain`` (its weights as
+    compute-dtype copies) for a plain module; nothing for an FSDP2-sharded one, whose
+    MixedPrecisionPolicy (``mixed_precision_policy``) computes in the compute dtype already."""
+    return contextlib.nullcontext() if is_sharded(model) else plain
 
 
 def shard_for_world(
@@ -406,7 +406,7 @@ def shard_for_world(
 ) -> DataParallel | SingleProcess:
     """FSDP2 over the policy ranks' mesh when the run has several (``shard_policy``), computing in
     ``compute_dtype`` (None: the parameters' dtype); the model as it is, with ``SingleProcess``
-    reductions, in one process (the trainer autocasts there)."""
+    reductions, in one process (the trainer casts the weights per forward there)."""
     if not will_shard_policy():
         return SingleProcess()
     param_dtype = next(model.parameters()).dtype

@@ -17,8 +17,8 @@ the two are never updated, so untying changes no logit, and each copy is sharded
 Its shards are stored in the run's compute dtype (``models/precision.py``): a bf16 reference of fp32
 master weights is what the policy's ``MixedPrecisionPolicy`` all-gathers and computes with anyway
 (an elementwise cast commutes with sharding), so the two compute alike while the reference holds
-half the bytes. In one process the reference is returned as built (fp32 under autocast when mixed,
-as before): that path is unchanged.
+half the bytes. In one process the reference is returned as built (fp32, read as bf16 copies per
+forward when mixed, as the policy is).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from posttrain.config.schema import RunConfig
 from posttrain.distributed.cells import cell_config
 from posttrain.distributed.fsdp import DataParallel, first_nonfinite, largest_entry, mixed_forward
 from posttrain.errors import PosttrainError, TrainingError
-from posttrain.models.precision import compute_autocast, dtype_name, resolve_precision
+from posttrain.models.precision import compute_weights, dtype_name, resolve_precision
 from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_micro_batches
 from posttrain.policy.images import (
     SHARED_PROMPT_REFUSAL,
@@ -155,7 +155,9 @@ class PolicyTrainer:
         ids (the sampler's head, the teacher's top-k): those come from the plain path only.
         ``auto``: share when the batch's mean prompt is at least as long as its mean completion
         (below that the shared path's cache handling costs more than the repeated prompt tokens it
-        saves). With several policy ranks the lengths of ALL
+        saves), and never under ``model.compile``: the shared path hands each compiled layer the KV
+        cache, whose per-layer state makes dynamo recompile per layer until it gives up at its
+        recompile limit (8) and runs the remaining layers eager. With several policy ranks the lengths of ALL
         cells decide, so every rank takes the same forward path (the shared-prefix path runs other
         FSDP collectives; a rank-local decision could desynchronise them)."""
         share = self.cfg.model.share_prompt_prefix
@@ -165,6 +167,8 @@ class PolicyTrainer:
             self._share = False
         elif share is True:
             self._share = True
+        elif self.cfg.model.compile:
+            self._share = False
         else:
             lengths = torch.tensor(
                 [sum(len(p) for p in batch.prompt_ids), sum(len(c) for c in batch.completion_ids)],
@@ -212,13 +216,14 @@ class PolicyTrainer:
         )
 
     def _compute(self, model: nn.Module) -> AbstractContextManager[None]:
-        """The compute dtype for a forward of ``model`` (policy, pi_old or reference pass): autocast
-        when the run is mixed and ``model`` is a plain module. An FSDP2-sharded policy computes in
-        bf16 through its MixedPrecisionPolicy already (``shard_policy``), so it gets nothing here;
-        nor does any module of a run whose compute dtype is its parameter dtype (the CPU default)."""
+        """The compute dtype for a forward of ``model`` (policy, pi_old or reference pass): its weights
+        read as compute-dtype copies (``compute_weights``) when the run is mixed and ``model`` is a
+        plain module. An FSDP2-sharded policy computes in bf16 through its MixedPrecisionPolicy
+        already (``shard_policy``), so it gets nothing here; nor does any module of a run whose
+        compute dtype is its parameter dtype (the CPU default)."""
         if not self.precision.mixed:
             return nullcontext()
-        return mixed_forward(model, compute_autocast(self.precision, self.device))
+        return mixed_forward(model, compute_weights(model, self.precision))
 
     def _logprobs(
         self, model: nn.Module, mb: PolicyBatch | GroupedBatch, images: ImageInputs | None = None
@@ -385,12 +390,14 @@ class PolicyTrainer:
             for rows in self._micro_batches(batch, mini):
                 pb = self._model_batch(batch, rows)
                 pinned += self.routing.prepare(batch, rows, pb)
-                inputs = self._loss_inputs(batch, rows, pb, old)
-                if probe:
-                    self._probe(inputs, step)
-                    probe = False
-                loss, stats = self.objective.loss(inputs, norm)
-                loss.backward()
+                # one entry over forward and backward: a checkpointed layer recomputes from the same copies
+                with self._compute(self.model):
+                    inputs = self._loss_inputs(batch, rows, pb, old)
+                    if probe:
+                        self._probe(inputs, step)
+                        probe = False
+                    loss, stats = self.objective.loss(inputs, norm)
+                    loss.backward()
                 loss_sum += loss.detach()
                 totals = stats if totals is None else totals.merge(stats)
             grad_norms.append(self._optimizer_step(step))

@@ -67,7 +67,7 @@ def vllm_dtype(cfg: RunConfig) -> str:
 
 def build_hf_engine(cfg: RunConfig, model: Any, tokenizer: Any) -> HFRolloutEngine:
     """The transformers engine the ``rollout`` section describes, sampling with ``model`` in the
-    policy's compute dtype (under the training forward's autocast when mixed)."""
+    policy's compute dtype (reading the weights as the training forward does when mixed)."""
     return HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size, precision=policy_precision(cfg, model))
 
 

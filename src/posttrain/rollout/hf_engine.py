@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from posttrain.models.chat import eos_token_ids
-from posttrain.models.precision import Precision, compute_autocast
+from posttrain.models.precision import Precision, compute_weights
 from posttrain.rollout.base import (
     Completion,
     FinishReason,
@@ -211,7 +211,7 @@ class HFRolloutEngine:
         eos_ids: list[int] | None = None,
         precision: Precision | None = None,
     ) -> None:
-        """``precision``: the policy's (mixed: sampling runs under the training forward's autocast, so
+        """``precision``: the policy's (mixed: sampling reads the weights as the training forward does, so
         the sampler's logprobs are comparable with the trainer's); None computes in the weights' dtype."""
         if batch_size < 1:
             raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
@@ -294,7 +294,7 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.inference_mode(), self._compute(device):
+            with torch.inference_mode(), self._compute():
                 results = []
                 for chunk in plan_chunks(len(prompt_token_ids), n, self.batch_size):
                     prompts = [prompt_token_ids[i] for i in chunk.prompt_index_U]
@@ -304,11 +304,12 @@ class HFRolloutEngine:
         gen_s = time.perf_counter() - start
         return self._package(prompt_token_ids, n, results, gen_s)
 
-    def _compute(self, device: torch.device) -> AbstractContextManager[None]:
-        """Autocast to the policy's compute dtype when it is mixed; nothing entered otherwise."""
+    def _compute(self) -> AbstractContextManager[None]:
+        """The policy's weights as compute-dtype copies when it is mixed, as its training forward
+        reads them (``compute_weights``); nothing entered otherwise."""
         if self.precision is None or not self.precision.mixed:
             return nullcontext()
-        return compute_autocast(self.precision, device)
+        return compute_weights(self.model, self.precision)
 
     def _package(self, prompts: list[list[int]], n: int, results: list[_Sampled], gen_s: float) -> RolloutBatch:
         texts = self.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)

@@ -119,7 +119,7 @@ def generate_image_prompts(
     was_training = engine.model.training
     engine.model.eval()
     try:
-        with torch.inference_mode(), engine._compute(device):
+        with torch.inference_mode(), engine._compute():
             results = [
                 sampled
                 for prompt in prompts

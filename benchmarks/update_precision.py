@@ -1,0 +1,157 @@
+"""The policy update in each precision, at workload W's size: where mixed precision's time goes.
+
+    python benchmarks/update_precision.py --shapes 0.5b,1.5b [--arms bf16,mixed,autocast] [--out r.json]
+
+For each random-weight model shape (``benchmarks/make_random_model.py``'s) and each arm, times
+``PolicyTrainer.train_on`` (forward, backward, AdamW, as a run's update) on one synthetic collected
+batch of W's size (32 prompts of 44 tokens x 8 completions of 256 tokens by default, random ids and
+advantages, micro-batches of ``--micro-batch``), median of ``--repeats`` after one warm-up, with the
+MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
+
+- ``bf16``: ``model.dtype=bfloat16``, pure bf16 weights and updates (the GPU default before fp32
+  master weights);
+- ``mixed``: the shipped default, fp32 master weights read as bf16 copies for the forward
+  (``models.precision.compute_weights``);
+- ``autocast``: fp32 master weights under ``torch.autocast(bfloat16)``, the path ``mixed`` replaced
+  (reproduced here by swapping the trainer's compute context, for the before/after);
+- ``mixed_compiled``: ``mixed`` with ``model.compile=true``.
+
+No rollout engine: the update does not depend on it (the W step's other parts are grpo_step.py's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+PEAK_BF16_FLOPS = 989e12
+SAMPLES, PROMPT_LEN = 8, 44
+
+
+def make_model(shape: str, dtype: torch.dtype, device: str) -> Any:
+    from make_random_model import SHAPES  # this directory's, on sys.path (main)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 576, 1536, 30  # SmolLM2-135M
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 9, 3, 64
+    for key, value in SHAPES[shape].items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(cfg).to(dtype)
+
+
+def make_batch(prompts: int, completion_len: int) -> Any:
+    from posttrain.policy.train_batch import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = [torch.randint(100, 40000, (PROMPT_LEN,), generator=g).tolist() for _ in range(prompts)]
+    n = prompts * SAMPLES
+    completions = [torch.randint(100, 40000, (completion_len,), generator=g).tolist() for _ in range(n)]
+    return TrainBatch(
+        prompt_ids=[prompt_ids[i // SAMPLES] for i in range(n)],
+        completion_ids=completions,
+        advantages_B=torch.randn(n, generator=g),
+        in_loss_B=torch.ones(n, dtype=torch.bool),
+        sampler_logprobs=[[-10.0] * completion_len for _ in completions],
+        group_size=SAMPLES,
+    )
+
+
+def trainer_for(model: Any, arm: str, args: argparse.Namespace) -> Any:
+    from posttrain.config.schema import GRPOConfig
+    from posttrain.policy.objective import grpo_objective
+    from posttrain.policy.trainer import PolicyTrainer
+
+    cfg = GRPOConfig()
+    cfg.rl.group_size, cfg.rl.batch_per_replica = SAMPLES, args.prompts * SAMPLES
+    cfg.rl.micro_batch_per_replica = args.micro_batch
+    cfg.rl.optimizer.lr, cfg.rl.kl_beta = 1e-6, 0.0
+    cfg.rollout.max_tokens = args.completion_len
+    cfg.model.compile = arm.endswith("_compiled")
+    trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=0)
+    if arm == "autocast":
+        device = trainer.device
+
+        def autocast(_model: Any) -> Any:
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+
+        trainer._compute = autocast  # type: ignore[method-assign]  # the replaced path, for the before/after
+    elif arm not in ("bf16", "mixed", "mixed_compiled"):
+        raise SystemExit(f"unknown arm {arm!r}")
+    return trainer
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_arm(shape: str, arm: str, args: argparse.Namespace) -> dict[str, Any]:
+    dtype = torch.bfloat16 if arm == "bf16" else torch.float32
+    model = make_model(shape, dtype, args.device)
+    params = sum(p.numel() for p in model.parameters())
+    trainer = trainer_for(model, arm, args)
+    batch = make_batch(args.prompts, args.completion_len)
+    tokens = args.prompts * SAMPLES * (PROMPT_LEN + args.completion_len)
+    times = []
+    for i in range(args.repeats + 1):
+        sync(args.device)
+        start = time.perf_counter()
+        trainer.train_on(batch, step=i + 1)
+        sync(args.device)
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times[1:])
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
+    result = {
+        "shape": shape,
+        "arm": arm,
+        "params": params,
+        "seconds": times,
+        "median_s": median,
+        "mfu": 6 * params * tokens / median / PEAK_BF16_FLOPS,
+        "peak_alloc_gib": peak,
+    }
+    print(
+        f"{shape:5s} {arm:15s} update {median:.3f} s  MFU {100 * result['mfu']:.1f} %  peak {peak:.1f} GiB  "
+        f"(all {', '.join(f'{t:.3f}' for t in times)})",
+        flush=True,
+    )
+    del trainer, model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return result
+
+
+def main() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="0.5b,1.5b")
+    p.add_argument("--arms", default="bf16,mixed,autocast,mixed_compiled")
+    p.add_argument("--prompts", type=int, default=32, help="x 8 completions (W: 32)")
+    p.add_argument("--completion-len", type=int, default=256, help="tokens per completion (W: 256)")
+    p.add_argument("--micro-batch", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    results = []
+    for shape in args.shapes.split(","):
+        for arm in args.arms.split(","):
+            results.append(run_arm(shape, arm, args))
+            if args.out:  # after each arm: a run cut short keeps what it measured
+                Path(args.out).write_text(json.dumps({"device": args.device, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
