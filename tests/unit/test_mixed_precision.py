@@ -255,3 +255,7 @@ def test_compute_weights_casts_a_tied_weight_once_and_nests() -> None:
         tied(torch.tensor([1, 2])).float().sum().backward()
     assert isinstance(tied[0].weight, nn.Parameter) and tied[0].weight is tied[1].weight
     assert tied[0].weight.grad is not None and tied[0].weight.grad.dtype == torch.float32
+    weight = tied[0].weight
+    with pytest.raises(RuntimeError, match="forward failed"), compute_weights(tied, mixed):
+        raise RuntimeError("forward failed")
+    assert tied[0].weight is weight and tied[1].weight is weight  # restored on the way out of an error
