@@ -103,6 +103,9 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
             separate_process=args.separate_engine_process,
             # --call-seeds: seeded per call (CPU build only; not off-policy: the trainer runs meanwhile)
             call_seeds=args.call_seeds and not args.off_policy,
+            # --max-num-seqs: vLLM's cap on running sequences (1,024 by default on an H200, where CUDA
+            # graphs are captured up to 512 only)
+            launcher_args={"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else None,
         )
         print(f"vLLM seeding: {engine.seeding} (rollout/vllm_seeding.py)", flush=True)
     else:
@@ -359,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         help="rollout.separate_engine_process: vLLM's engine core in a process of its own (weights by CUDA IPC)",
     )
     p.add_argument("--unseeded", action="store_true", help="rollout.seed=null: no vLLM seeding at all")
+    p.add_argument("--max-num-seqs", type=int, default=0, help="vLLM max_num_seqs (0: vLLM's default)")
     p.add_argument(
         "--call-seeds",
         action="store_true",

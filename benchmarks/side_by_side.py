@@ -7,7 +7,7 @@ OURS: written by ``benchmarks/grpo_step.py --out`` (or one arm's file of ``--arm
 written by ``../shared/peers/trl_grpo_gpu_step.py`` (``$OUT/trl_<mode>.json``). Medians of steps 2 on
 for ours, TRL's own median of its steps 2-4. ``--dir`` reads what ``benchmarks/side_by_side.sh`` leaves
 there: ``w/*.json`` (workload W's arms and the growth arms), ``w_offpolicy.json``, ``w15.json``,
-``w135.json``, ``trl_*.json``, ``small.metrics.jsonl`` and ``trl_small.log``.
+``w135.json``, ``p128_seqs512.json``, ``trl_*.json``, ``small.metrics.jsonl`` and ``trl_small.log``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,14 @@ def growth_table(r: Path) -> str:
     grid = [
         (
             "prompts (x 8 samples, 256 tokens)",
-            [(8, "w/p8"), (32, "w/seeded_first"), (64, "w/p64"), (128, "w/p128"), (256, "w/p256")],
+            [
+                (8, "w/p8"),
+                (32, "w/seeded_first"),
+                (64, "w/p64"),
+                (128, "w/p128"),
+                ("128, max_num_seqs 512", "p128_seqs512"),
+                (256, "w/p256"),
+            ],
             {32: "trl_w", 128: "trl_p128"},
         ),
         (

