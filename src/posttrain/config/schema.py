@@ -156,7 +156,7 @@ class RolloutConfig(Section):
     sampler_logprobs_samples: int | None = Field(None, ge=1)
     """vLLM: only the first N samples of each group record the sampler's logprobs (``null``: all);
     ``train/logprob_gap_*`` is measured on those, the draws are unchanged. Not for a loss that reads
-    them (refused); score centering records all. No gain on CPU (docs/benchmarks.md)."""
+    them (refused); score centering records all. No gain measured (CPU; H200: in the noise)."""
     batch_size: int = Field(256, ge=1)
     """Most sequences the hf engine decodes at once."""
     gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
