@@ -34,6 +34,14 @@ SHAPES = {
 }  # fmt: skip
 
 
+def shape_config(tokenizer_dir: str, shape: str) -> LlamaConfig:
+    """SmolLM2's config (the tokenizer directory's) with ``shape``'s body (also update_precision.py's)."""
+    cfg = LlamaConfig.from_pretrained(tokenizer_dir)
+    for key, value in SHAPES[shape].items():
+        setattr(cfg, key, value)
+    return cfg
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("tokenizer_dir")
@@ -41,9 +49,7 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
     a = p.parse_args()
     start = time.time()
-    cfg = LlamaConfig.from_pretrained(a.tokenizer_dir)
-    for key, value in SHAPES[a.shape].items():
-        setattr(cfg, key, value)
+    cfg = shape_config(a.tokenizer_dir, a.shape)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)

@@ -12,8 +12,8 @@
 #          the request settings one by one, the cost growth in prompts (8 to 256) and at 64-token
 #          completions with the shipped settings, then W with compiled layers
 #   more   one-step off-policy with the engine core in its own process; the 1.5B shape; TRL on W
-#   small  the default recipe's small step (ours with vLLM; TRL's on the same task), TRL at 1.5B,
-#          then each fixed cost of that step alone (benchmarks/step_overheads.py)
+#   small  the default recipe's small step (ours with vLLM; TRL's on the same task), TRL at 1.5B
+#          (SKIP_TRL15=1 leaves it out), then each fixed cost of that step alone (step_overheads.py)
 #   seqs   ours at 1,024 and 2,048 tokens (own process), and at 128 prompts with vLLM's max_num_seqs
 #          at its CUDA-graph capture size (512; the growth table's jump past 512 sequences)
 #   trl    TRL at the growth grid's corners (128 prompts; 1,024 tokens) and the 135M shape, ours at 135M

@@ -31,20 +31,17 @@ import torch
 
 PEAK_BF16_FLOPS = 989e12
 SAMPLES, PROMPT_LEN = 8, 44
+TOKENIZER_DIR = "tests/fixtures/smollm2_tokenizer"  # SmolLM2's config, as side_by_side.sh's models
 
 
 def make_model(shape: str, dtype: torch.dtype, device: str) -> Any:
-    from make_random_model import SHAPES  # this directory's, on sys.path (main)
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The random-weight model make_random_model.py saves for ``shape``, built in memory."""
+    from make_random_model import shape_config  # this directory's, on sys.path (main)
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)
-    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 576, 1536, 30  # SmolLM2-135M
-    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 9, 3, 64
-    for key, value in SHAPES[shape].items():
-        setattr(cfg, key, value)
     torch.manual_seed(0)
     with torch.device(device):
-        return LlamaForCausalLM(cfg).to(dtype)
+        return LlamaForCausalLM(shape_config(TOKENIZER_DIR, shape)).to(dtype)
 
 
 def make_batch(prompts: int, completion_len: int) -> Any:

@@ -7,8 +7,9 @@
 gather, the whole forward in bf16, gradients reduced in fp32), and an unsharded one computes the
 same way through ``compute_weights``: each parameter read as one bf16 copy per forward, whose
 gradient comes back to the fp32 parameter in fp32. Not ``torch.autocast``: autocast leaves the
-embeddings, norms and residual stream in fp32 (only matrix products drop to bf16), which cost the
-0.4B update 45 % more time on an H200 than pure bf16 (0.93 s against 0.64 s, docs/benchmarks.md).
+embeddings, norms and residual stream in fp32 (only matrix products drop to bf16); on an H200 the
+0.4B update took 0.878 s under it, 0.823 s on the copies and 0.802 s with pure bf16 weights, with
+4 GiB more peak memory under autocast (docs/benchmarks.md, "Issue 18, fifth session").
 The logprob head still upcasts its logits to fp32. When the two dtypes are equal nothing is
 entered at all, so the fp32 CPU path computes exactly what it did before mixed precision existed.
 
