@@ -105,7 +105,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
             call_seeds=args.call_seeds and not args.off_policy,
             # --max-num-seqs: vLLM's cap on running sequences (1,024 by default on an H200, where CUDA
             # graphs are captured up to 512 only)
-            launcher_args={"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else None,
+            # --cudagraph-max: the largest decode batch vLLM captures a CUDA graph for
+            launcher_args=_engine_extras(args),
         )
         print(f"vLLM seeding: {engine.seeding} (rollout/vllm_seeding.py)", flush=True)
     else:
@@ -117,6 +118,16 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=pad_id)
     print(f"model {args.model}: loaded in {load_s:.1f}s; {args.engine} engine started in {engine_s:.1f}s", flush=True)
     return cfg, model, tokenizer, (engine, trainer, {"model_load_s": load_s, "engine_start_s": engine_s})
+
+
+def _engine_extras(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The vLLM ``LLM`` arguments of --max-num-seqs and --cudagraph-max (None: vLLM's defaults)."""
+    extras: dict[str, Any] = {}
+    if args.max_num_seqs:
+        extras["max_num_seqs"] = args.max_num_seqs
+    if args.cudagraph_max:
+        extras["compilation_config"] = {"max_cudagraph_capture_size": args.cudagraph_max}
+    return extras or None
 
 
 ARM_KEYS = {
@@ -186,10 +197,77 @@ def run(
             )
             if on_result is not None:
                 on_result(results[-1])
+        if getattr(args, "gen_probe", False) and args.engine == "vllm":
+            results.append(generation_probe(engine, tokenizer, args))
+            if on_result is not None:
+                on_result(results[-1])
     finally:
         if args.engine == "vllm":
             engine.close()
     return results
+
+
+def generation_probe(engine: Any, tokenizer: Any, args: argparse.Namespace, repeats: int = 3) -> dict[str, Any]:
+    """After the arms, on the same engine in the same (trained-in) process: W's generation alone,
+    once as bare ``LLM.generate`` requests (n samples per prompt, no seed, no logprobs, as
+    benchmarks/vllm_gen_variants.py sends them) and once each through posttrain's engine unseeded
+    without logprobs and with the shipped settings; then the shipped call under cProfile (its top
+    functions by own time), to tell vLLM's host cost from ours and from the trainer's process state."""
+    import cProfile
+    import io
+    import pstats
+
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from posttrain.models.chat import render_prompt_ids
+    from posttrain.rollout.base import SamplingParams
+
+    texts = _prompt_texts(args.prompts, seed=12345)
+    prompt_ids = [render_prompt_ids(tokenizer, t, use_chat_template=True) for t in texts]
+    bare_params = VLLMSamplingParams(
+        n=args.samples, max_tokens=args.max_tokens, temperature=1.0, detokenize=False, stop_token_ids=engine.eos_ids
+    )
+    calls = {
+        "bare LLM.generate (n per prompt, unseeded, no logprobs)": lambda: engine._llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], bare_params, use_tqdm=False
+        ),
+        "engine.generate, unseeded, no logprobs": lambda: engine.generate(
+            prompt_ids,
+            args.samples,
+            SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=None, sampler_logprobs_every=0),
+        ),
+        "engine.generate, shipped (seed per prompt, first sample's logprobs)": lambda: engine.generate(
+            prompt_ids,
+            args.samples,
+            SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=7, sampler_logprobs_samples=1),
+        ),
+    }
+    timings: dict[str, list[float]] = {}
+    for name, call in calls.items():
+        for _ in range(repeats):
+            _sync()
+            start = time.perf_counter()
+            call()
+            _sync()
+            timings.setdefault(name, []).append(round(time.perf_counter() - start, 4))
+        print(f"probe {name}: {timings[name]}", flush=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    list(calls.values())[-1]()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    print(text.getvalue()[:6000], flush=True)
+    return {
+        "arm": "gen_probe",
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "max_tokens": args.max_tokens,
+        "seconds": timings,
+        "median_s": {name: statistics.median(t) for name, t in timings.items()},
+        "profile_top_tottime": text.getvalue(),
+    }
 
 
 def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
@@ -363,6 +441,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--unseeded", action="store_true", help="rollout.seed=null: no vLLM seeding at all")
     p.add_argument("--max-num-seqs", type=int, default=0, help="vLLM max_num_seqs (0: vLLM's default)")
+    p.add_argument(
+        "--cudagraph-max",
+        type=int,
+        default=0,
+        help="vLLM compilation_config.max_cudagraph_capture_size (0: vLLM's default, min(2 x max_num_seqs, 512))",
+    )
+    p.add_argument(
+        "--gen-probe",
+        action="store_true",
+        help="after the arms: W's generation alone on the same engine, bare and through posttrain, and profiled "
+        "(written as gen_probe.json with --arms)",
+    )
     p.add_argument(
         "--call-seeds",
         action="store_true",

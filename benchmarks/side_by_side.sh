@@ -16,7 +16,11 @@
 #          (SKIP_TRL15=1 leaves it out), then each fixed cost of that step alone (step_overheads.py)
 #   seqs   ours at 1,024 and 2,048 tokens (own process), and at 128 prompts with vLLM's max_num_seqs
 #          at its CUDA-graph capture size (512; the growth table's jump past 512 sequences)
-#   trl    TRL at the growth grid's corners (128 prompts; 1,024 tokens) and the 135M shape, ours at 135M
+#   trl    TRL at the growth grid's corners (128 prompts; 1,024 tokens)
+#   trl135 the 135M shape, ours and TRL
+#   probe  W shipped, 128 prompts, compiled; W's generation alone, bare vLLM against ours, profiled;
+#          128 prompts and W with CUDA graphs captured up to 1,024 sequences (--cudagraph-max)
+#   tests  the GPU test files of the mixed-precision and in-place weight-load paths (smoke, vLLM, MoE, VL GRPO)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -113,12 +117,9 @@ case "${1:-}" in
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   trl)
     environment
-    trl p128 200 /tmp/m05 32,32,256
-    trl t1024 200 /tmp/m05 16,16,1024
-    model 135m /tmp/m135
-    step w135 150 --model /tmp/m135 --micro-batch 64 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
-      --out "$R/w135.json"
-    trl w135 170 /tmp/m135 32,8,256
+    model 0.5b /tmp/m05
+    trl p128 250 /tmp/m05 32,32,256
+    trl t1024 250 /tmp/m05 16,16,1024
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   seqs)
     environment
@@ -127,9 +128,43 @@ case "${1:-}" in
     step p128_seqs512 200 --model /tmp/m05 --micro-batch 64 --max-num-seqs 512 --steps 3 \
       --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --prompts 128 --out "$R/p128_seqs512.json"
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  probe)
+    # W with the shipped settings (weights written in place on CUDA), 128 prompts, compiled layers,
+    # then W's generation alone (bare vLLM requests against posttrain's, profiled: grpo_step.py
+    # --gen-probe); then 128 prompts and W with CUDA graphs captured up to 1,024 sequences
+    environment
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    python3 -c 'import torch, transformers, vllm, trl; print("torch", torch.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__, "trl", trl.__version__)' 2>&1 | tail -1 | tee -a "$R/device.txt"
+    model 0.5b /tmp/m05
+    (model 135m /tmp/m135 &)  # for `trl135`, meanwhile
+    step probe 330 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --gen-probe --out-dir "$R/probe" \
+      --arms "shipped:steps=5,$SHIPPED;p128:steps=3,prompts=128,$SHIPPED;$COMPILED_ARM"
+    grep -E "^probe" "$R/probe.log"
+    step graphs 200 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --cudagraph-max 1024 --out-dir "$R/graphs" \
+      --arms "p128_graphs1024:steps=3,prompts=128,$SHIPPED;w_graphs1024:steps=4,$SHIPPED"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  tests)
+    # the GPU test files the precision change (models/precision.compute_weights) and the in-place
+    # weight load (rollout/vllm_weight_load.py) touch, each in a pytest process of its own
+    environment
+    mkdir -p "$R/tests"
+    for f in gpu_smoke:60 vllm_gpu:150 moe_gpu:150 vl_grpo_gpu:170; do
+      name=${f%%:*}
+      POSTTRAIN_GPU_TEST_REPORT=$R/tests/$name.json timeout "${f##*:}" python3 -m pytest -m gpu -q -s -p no:cacheprovider "tests/gpu/test_$name.py" \
+        >"$R/tests/$name.log" 2>&1
+      echo "$name rc=$?"; tail -2 "$R/tests/$name.log" | cut -c1-300
+    done
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  trl135)
+    environment
+    model 135m /tmp/m135
+    step w135 150 --model /tmp/m135 --micro-batch 64 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
+      --out "$R/w135.json"
+    trl w135 170 /tmp/m135 32,8,256
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)
-    for part in ours more small seqs trl table; do bash "$0" "$part"; done ;;
+    for part in ours more small seqs trl trl135 probe tests table; do bash "$0" "$part"; done ;;
   *) sed -n 2,25p "$0"; exit 2 ;;
 esac

@@ -147,7 +147,11 @@ def test_sleep_frees_memory_and_an_update_moves_the_engine_logprobs(engine, mode
     engine.load_weights(model.state_dict(), version=1)
     torch.cuda.synchronize()
     free_awake = torch.cuda.mem_get_info()[0]
+    # a dense bf16 model on CUDA: written in place by the model's weight loaders (vllm_weight_load.py),
+    # every parameter reported written (else the engine would have fallen back to vLLM's reload)
+    assert engine.direct_weight_load
     REPORT.update(
+        weight_load="in place (model.load_weights)",
         sleep_s=engine.last_sleep_s,
         wake_s=engine.last_wake_s,
         weight_sync_s=engine.last_sync_s,

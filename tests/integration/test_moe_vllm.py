@@ -23,6 +23,7 @@ from posttrain.policy.batching import build_policy_batch
 from posttrain.policy.logprobs import completion_logprobs
 from posttrain.rollout.base import RolloutBatch, SamplingParams
 from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+from posttrain.rollout.vllm_weight_load import loads_in_place
 
 pytestmark = pytest.mark.vllm
 
@@ -73,6 +74,11 @@ def _checkpoint_state(iter_dir: Path) -> dict[str, torch.Tensor]:
 def test_moe_sampler_logprobs_equal_the_trainers(engine: VLLMRolloutEngine, moe_dir: str) -> None:
     out = engine.generate(PROMPTS, 3, SamplingParams(max_tokens=8, seed=1))
     assert _gap(_trainer(moe_dir), out) < 1e-4
+
+
+def test_a_moe_model_keeps_vllms_reload_even_on_cuda(engine: VLLMRolloutEngine) -> None:
+    """Fused experts are laid out after loading, so a MoE model never takes its weights in place."""
+    assert engine._llm.apply_model(lambda model: loads_in_place(model, cuda=True)) == [False]
 
 
 def test_synced_expert_weights_are_the_ones_vllm_samples_with(engine: VLLMRolloutEngine, moe_dir: str) -> None:

@@ -3,6 +3,7 @@ shapes and finish reasons, sampler logprobs against the trainer's, weight update
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import pytest
@@ -20,6 +21,7 @@ from posttrain.policy.logprobs import completion_logprobs
 from posttrain.rollout.base import RolloutBatch, SamplingParams
 from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 from posttrain.rollout.vllm_runtime import engine_core_is_separate
+from posttrain.rollout.vllm_weight_load import loads_in_place
 
 pytestmark = pytest.mark.vllm
 
@@ -259,6 +261,15 @@ def test_received_weights_move_engine_logprobs_to_the_trainers(
     assert fresh.last_sync_s > 0.0
     back = fresh.generate(prompts, 2, SamplingParams(max_tokens=6, seed=5))
     _assert_logprobs_match(back, _trainer_logprobs(base_model, back, tokenizer.pad_token_id))
+
+
+def test_weights_go_in_place_only_where_vllm_would_process_nothing(engine: VLLMRolloutEngine) -> None:
+    """vLLM's CPU build repacks every linear weight after loading, so this engine keeps vLLM's reload;
+    the same dense model's layers are all plain (unquantized) ones, so on CUDA it would take its
+    weights in place (rollout/vllm_weight_load.py; the GPU test runs that path)."""
+    assert engine.direct_weight_load is False
+    assert engine._llm.apply_model(functools.partial(loads_in_place, cuda=True)) == [True]
+    assert engine._llm.apply_model(functools.partial(loads_in_place, cuda=False)) == [False]
 
 
 def test_stop_on_eos_with_biased_weights(fresh: VLLMRolloutEngine, vllm_model_dir: str, tokenizer, prompts) -> None:

@@ -11,10 +11,11 @@ Image prompts of a vision-language policy go with their decoded images (``rollou
 
 Weights move in-process: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 so ``receive_weights`` hands the policy's tensors (``PolicyWeights.full_state_dict()``: the module's
-own tensors in one process, gathered full ones when the policy is sharded) to the vLLM model's own
-``load_weights`` (which maps Hugging Face names onto its fused layers) without serializing them,
-checks that every parameter of the vLLM model was written, drops the prefix cache (its KV entries
-belong to the old weights) and only then stamps the version. A transfer that fails midway poisons
+own tensors in one process, gathered full ones when the policy is sharded) to vLLM without
+serializing them: for a plain dense model on CUDA the model's own ``load_weights`` writes them in
+place (it maps Hugging Face names onto the fused layers; ``rollout/vllm_weight_load.py``), otherwise
+vLLM's ``reload_weights`` (which redoes the post-load processing). Then the engine drops the prefix
+cache (its KV entries belong to the old weights) and only then stamps the version. A transfer that fails midway poisons
 the engine (``rollout/state.py``).
 
 With ``separate_process`` (``rollout.separate_engine_process``) the engine core runs in a process of
@@ -32,7 +33,9 @@ has no sleep mode, so there the option is ignored.
 
 from __future__ import annotations
 
+import functools
 import gc
+import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -74,9 +77,12 @@ from posttrain.rollout.vllm_runtime import (
 )
 from posttrain.rollout.vllm_seeding import call_seed, engine_seeding, generators_seeded
 from posttrain.rollout.vllm_shared_weights import WORKER_EXTENSION, SharedWeightsSender
+from posttrain.rollout.vllm_weight_load import load_in_place, loads_in_place
 
 if TYPE_CHECKING:
     from posttrain.distributed.fsdp import PolicyWeights
+
+_log = logging.getLogger("posttrain.rollout")
 
 
 class VLLMRolloutEngine:
@@ -184,6 +190,10 @@ class VLLMRolloutEngine:
                 "earlier in this process; start the run in a fresh process"
             )
         self._shared = SharedWeightsSender(self._llm) if separate_process else None
+        # a plain dense model on CUDA takes the weights in place (rollout/vllm_weight_load.py)
+        self.direct_weight_load = self._shared is None and all(
+            self._llm.apply_model(functools.partial(loads_in_place, cuda=cuda))
+        )
         # a seeded call: the engine's generators seeded once (call_seeds), or a seed per prompt
         workers = self._llm.llm_engine.vllm_config.parallel_config.world_size  # vLLM's TP x PP
         self.seeding = engine_seeding(call_seeds, separate_process=separate_process, vllm_workers=workers)
@@ -311,6 +321,8 @@ class VLLMRolloutEngine:
             # parameters with model.load_weights is not enough).
             if self._shared is not None:
                 self._shared.push(pairs)
+            elif self.direct_weight_load:
+                self._load_in_place(pairs)
             else:
                 with self._engine_thread_count():
                     self._llm.collective_rpc(
@@ -329,6 +341,25 @@ class VLLMRolloutEngine:
             ) from err
         self.last_sync_s = time.perf_counter() - start
         self._commit(version)
+
+    def _load_in_place(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """The model's own weight loaders write ``pairs`` into its parameters. Should a model report
+        parameters it did not write, this engine falls back to vLLM's reload from now on, and the
+        reload writes every tensor of this transfer again (so no transfer is ever partial)."""
+        with self._engine_thread_count():
+            unwritten = [name for names in self._llm.apply_model(load_in_place(pairs)) for name in names]
+        if unwritten:
+            _log.warning(
+                "vLLM's load_weights left %d parameter(s) unwritten (first: %s); using vLLM's reload_weights "
+                "for this and every later weight sync",
+                len(unwritten),
+                unwritten[:3],
+            )
+            self.direct_weight_load = False
+            with self._engine_thread_count():
+                self._llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
+                )
 
     def _commit(self, version: int) -> None:
         """Stamp ``version`` once a whole transfer of its weights succeeded, and remember that vLLM
