@@ -105,8 +105,9 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
             call_seeds=args.call_seeds and not args.off_policy,
             # --max-num-seqs: vLLM's cap on running sequences (1,024 by default on an H200, where CUDA
             # graphs are captured up to 512 only)
-            # --cudagraph-max: the largest decode batch vLLM captures a CUDA graph for
             launcher_args=_engine_extras(args),
+            # --cudagraph-max: rollout.cudagraph_capture_max, the largest decode batch vLLM graphs
+            cudagraph_capture_max=args.cudagraph_max or None,
         )
         print(f"vLLM seeding: {engine.seeding} (rollout/vllm_seeding.py)", flush=True)
     else:
@@ -121,13 +122,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
 
 
 def _engine_extras(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The vLLM ``LLM`` arguments of --max-num-seqs and --cudagraph-max (None: vLLM's defaults)."""
-    extras: dict[str, Any] = {}
-    if args.max_num_seqs:
-        extras["max_num_seqs"] = args.max_num_seqs
-    if args.cudagraph_max:
-        extras["compilation_config"] = {"max_cudagraph_capture_size": args.cudagraph_max}
-    return extras or None
+    """The vLLM ``LLM`` argument of --max-num-seqs (None: vLLM's default)."""
+    return {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else None
 
 
 ARM_KEYS = {
@@ -445,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         "--cudagraph-max",
         type=int,
         default=0,
-        help="vLLM compilation_config.max_cudagraph_capture_size (0: vLLM's default, min(2 x max_num_seqs, 512))",
+        help="rollout.cudagraph_capture_max, vLLM's max_cudagraph_capture_size (0: vLLM's min(2 x max_num_seqs, 512))",
     )
     p.add_argument(
         "--gen-probe",

@@ -13,7 +13,8 @@
 #          completions with the shipped settings, then W with compiled layers
 #   more   one-step off-policy with the engine core in its own process; the 1.5B shape; TRL on W
 #   small  the default recipe's small step (ours with vLLM; TRL's on the same task), TRL at 1.5B
-#          (SKIP_TRL15=1 leaves it out), then each fixed cost of that step alone (step_overheads.py)
+#          (SKIP_TRL15=1 leaves it out), each fixed cost of that step alone (step_overheads.py), then
+#          the small job again with model.compile=true
 #   seqs   ours at 1,024 and 2,048 tokens (own process), and at 128 prompts with vLLM's max_num_seqs
 #          at its CUDA-graph capture size (512; the growth table's jump past 512 sequences)
 #   trl    TRL at the growth grid's corners (128 prompts; 1,024 tokens)
@@ -102,6 +103,7 @@ case "${1:-}" in
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   small)
     environment
+    (model 0.5b /tmp/m05 &)  # for `seqs` and `trl`, meanwhile
     # the default recipe as a user runs it, with vLLM; its per-step timers in metrics.jsonl
     timeout 200 python3 -m posttrain.entrypoints.grpo --config default -- job.name=small rollout.backend=vllm \
       rl.max_steps=40 >"$R/small.log" 2>&1
@@ -114,6 +116,11 @@ case "${1:-}" in
     # each fixed cost of the small step on its own (weight sync, rendering, metrics, clip, optimizer...)
     timeout 150 python3 benchmarks/step_overheads.py --device cuda --engine vllm --out "$R/overheads_vllm.json" \
       >"$R/overheads_vllm.log" 2>&1; echo "overheads rc=$?"; grep -E "^\|" "$R/overheads_vllm.log" | head -30
+    # the same small job with compiled decoder layers (model.compile: ~15 s once, then a faster update)
+    timeout 170 python3 -m posttrain.entrypoints.grpo --config default -- job.name=small_compiled rollout.backend=vllm \
+      rl.max_steps=40 model.compile=true >"$R/small_compiled.log" 2>&1
+    echo "small_compiled rc=$?"; tail -3 "$R/small_compiled.log" | cut -c1-200
+    cp "$(ls -d /tmp/runs/posttrain/*/small_compiled/*/ | tail -1)metrics.jsonl" "$R/small_compiled.metrics.jsonl"
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   trl)
     environment
@@ -123,6 +130,7 @@ case "${1:-}" in
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   seqs)
     environment
+    model 0.5b /tmp/m05
     step tlong 240 --model /tmp/m05 --micro-batch 8 --max-model-len 2200 --arms "$LONG_ARMS" --out-dir "$R/w"
     # 1,024 sequences at once with vLLM's cap at the CUDA-graph capture size (512): two graphed waves
     step p128_seqs512 200 --model /tmp/m05 --micro-batch 64 --max-num-seqs 512 --steps 3 \

@@ -259,3 +259,15 @@ def test_compute_weights_casts_a_tied_weight_once_and_nests() -> None:
     with pytest.raises(RuntimeError, match="forward failed"), compute_weights(tied, mixed):
         raise RuntimeError("forward failed")
     assert tied[0].weight is weight and tied[1].weight is weight  # restored on the way out of an error
+
+
+def test_cudagraph_capture_size_reaches_a_cuda_engine_only() -> None:
+    """rollout.cudagraph_capture_max becomes vLLM's compilation_config on CUDA; the CPU backend has no graphs."""
+    from posttrain.config.schema import RolloutConfig
+    from posttrain.rollout.vllm_runtime import cudagraph_args
+
+    assert cudagraph_args(1024, cuda=True) == {"compilation_config": {"max_cudagraph_capture_size": 1024}}
+    assert cudagraph_args(None, cuda=True) == {}
+    assert cudagraph_args(1024, cuda=False) == {}
+    with pytest.raises(ValueError, match="cudagraph_capture_max"):
+        RolloutConfig(cudagraph_capture_max=0)

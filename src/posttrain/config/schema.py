@@ -5,13 +5,11 @@
 (the importance-sampling level, the KL reference, score centering, dynamic sampling). OPD's parts
 are in ``config/opd.py``, the topology section in ``config/grid.py``, and the base class every
 section derives from (unknown keys forbidden, finite numbers, 64-bit integers) in
-``config/section.py``. Every field carries a docstring (it becomes the field's description, shown
-in errors and in docs/config.md, which a test regenerates from these models so the two cannot
-drift). Models forbid unknown keys. Rules that tie several fields together live in the preflight
-(``posttrain.preflight``), not in pydantic validators: sections validate on assignment, so a
-cross-field validator would refuse a recipe halfway through setting two related knobs, and the
-preflight reports every problem (and every warning) at once instead of the first. This package
-imports nothing above it (no data, rewards, models, policy or loop) and no torch.
+``config/section.py``. Every field's docstring becomes its description (in errors and in docs/config.md,
+which a test regenerates from these models). Rules that tie several fields together live in the
+preflight (``posttrain.preflight``), not in validators: sections validate on assignment, so one would
+refuse a recipe halfway through setting two related knobs; the preflight reports every problem at
+once. This package imports nothing above it (no data, rewards, models, policy or loop) and no torch.
 """
 
 from __future__ import annotations
@@ -167,6 +165,9 @@ class RolloutConfig(Section):
     """vLLM context length (prompt plus completion); ``null`` = the model's own limit."""
     enforce_eager: bool = False
     """vLLM: skip CUDA-graph capture (faster start, slower decode)."""
+    cudagraph_capture_max: int | None = Field(None, ge=1)
+    """vLLM: the largest decode batch captured as a CUDA graph (``null``: vLLM's min(2 x max_num_seqs, 512));
+    larger batches decode eager. On an H200, 1,024 cut 128 prompts x 8 samples' generation by 30 %."""
     async_scheduling: bool | None = None
     """vLLM's asynchronous scheduling (overlaps the host-side scheduling of step k+1 with the GPU
     work of step k); ``null`` keeps vLLM's default."""

@@ -97,6 +97,7 @@ def build_vllm_engine(
         tensor_parallel_size=ro.tensor_parallel_size,
         max_model_len=ro.max_model_len,
         enforce_eager=ro.enforce_eager,
+        cudagraph_capture_max=ro.cudagraph_capture_max,
         enable_sleep_mode=ro.enable_sleep_mode if enable_sleep_mode is None else enable_sleep_mode,
         async_scheduling=ro.async_scheduling,
         sleep_level=ro.sleep_level,

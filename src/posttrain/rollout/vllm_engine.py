@@ -10,13 +10,12 @@ vLLM's CPU build only) vLLM's generators seeded once for the call (``rollout/vll
 Image prompts of a vision-language policy go with their decoded images (``rollout/vllm_images.py``).
 
 Weights move in-process: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-so ``receive_weights`` hands the policy's tensors (``PolicyWeights.full_state_dict()``: the module's
-own tensors in one process, gathered full ones when the policy is sharded) to vLLM without
-serializing them: for a plain dense model on CUDA the model's own ``load_weights`` writes them in
-place (it maps Hugging Face names onto the fused layers; ``rollout/vllm_weight_load.py``), otherwise
-vLLM's ``reload_weights`` (which redoes the post-load processing). Then the engine drops the prefix
-cache (its KV entries belong to the old weights) and only then stamps the version. A transfer that fails midway poisons
-the engine (``rollout/state.py``).
+so ``receive_weights`` hands the policy's tensors (``PolicyWeights.full_state_dict()``, gathered
+when sharded) to vLLM unserialized: a plain dense model on CUDA writes them in place with its own
+``load_weights`` (Hugging Face names onto the fused layers; ``rollout/vllm_weight_load.py``), others
+go through vLLM's ``reload_weights`` (which redoes the post-load processing). Then the engine drops
+the prefix cache (KV of the old weights) and only then stamps the version. A transfer that fails
+midway poisons the engine (``rollout/state.py``).
 
 With ``separate_process`` (``rollout.separate_engine_process``) the engine core runs in a process of
 its own instead, so sampling in a background thread does not take turns with the trainer on this
@@ -69,6 +68,7 @@ from posttrain.rollout.vllm_requests import call_completions, call_requests, che
 from posttrain.rollout.vllm_runtime import (
     build_llm,
     choose_engine_core_process,
+    cudagraph_args,
     engine_core_is_separate,
     engine_thread_count,
     import_vllm,
@@ -99,6 +99,7 @@ class VLLMRolloutEngine:
         tensor_parallel_size: int = 1,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        cudagraph_capture_max: int | None = None,
         seed: int | None = 0,
         dtype: str = "auto",
         eos_ids: list[int] | None = None,
@@ -156,6 +157,7 @@ class VLLMRolloutEngine:
         engine_args = _engine_args(
             separate_process, async_scheduling, attention_backend, cuda, self.sleep_mode, dtype=dtype
         )
+        engine_args |= cudagraph_args(cudagraph_capture_max, cuda)  # rollout.cudagraph_capture_max
         engine_args |= lora_engine_args(lora_rank)  # model.lora: serve the policy's adapter (vllm_lora.py)
         engine_args |= moe_backend_args(moe_backend)  # rollout.moe_backend: nothing for auto
         # rl.routing_replay=rollout: each completion carries the experts vLLM routed it to
