@@ -19,6 +19,9 @@
 #          at its CUDA-graph capture size (512; the growth table's jump past 512 sequences)
 #   trl    TRL at the growth grid's corners (128 prompts; 1,024 tokens)
 #   trl135 the 135M shape, ours and TRL
+#   share  model.share_prompt_prefix shared against plain: the update alone over sizes, the small job
+#   sharecheck  the update on either side of auto's GPU thresholds; the small job as shipped and TRL's
+#   big    the 1.5B shape, ours and TRL
 #   probe  W shipped, 128 prompts, compiled; W's generation alone, bare vLLM against ours, profiled;
 #          128 prompts and W with CUDA graphs captured up to 1,024 sequences (--cudagraph-max)
 #   tests  the GPU test files of the mixed-precision and in-place weight-load paths (smoke, vLLM, MoE, VL GRPO)
@@ -163,6 +166,56 @@ case "${1:-}" in
       echo "$name rc=$?"; tail -2 "$R/tests/$name.log" | cut -c1-300
     done
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  share)
+    # model.share_prompt_prefix on a GPU: the update alone shared against plain over prompt and
+    # batch sizes (update_precision.py --share on,off), then the default recipe's small job as
+    # shipped (auto) and with the plain path (share_prompt_prefix=false), one after the other
+    environment
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    mkdir -p "$R/share"
+    for spec in 135m:4:44:16:32 135m:32:44:16:256 135m:32:256:64:64 0.5b:8:256:16:64 0.5b:32:256:64:64 \
+      0.5b:32:1024:64:32; do
+      IFS=: read -r shape prompts plen tlen micro <<<"$spec"
+      timeout 120 python3 benchmarks/update_precision.py --shapes "$shape" --arms mixed --share on,off --repeats 3 \
+        --prompts "$prompts" --prompt-len "$plen" --completion-len "$tlen" --micro-batch "$micro" \
+        --out "$R/share/${spec//:/_}.json" 2>&1 | grep -E "update|Error" | cut -c1-200
+    done
+    for arm in auto:auto plain:false; do
+      timeout 150 python3 -m posttrain.entrypoints.grpo --config default -- job.name="small_${arm%%:*}" \
+        rollout.backend=vllm rl.max_steps=40 model.share_prompt_prefix="${arm##*:}" >"$R/small_${arm%%:*}.log" 2>&1
+      echo "small_${arm%%:*} rc=$?"; tail -2 "$R/small_${arm%%:*}.log" | cut -c1-200
+      cp "$(ls -d /tmp/runs/posttrain/*/small_${arm%%:*}/*/ | tail -1)metrics.jsonl" "$R/small_${arm%%:*}.metrics.jsonl"
+    done
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  sharecheck)
+    # after model.share_prompt_prefix=auto's GPU rule (policy/shared_prefix.sharing_pays): the update
+    # on either side of its thresholds (512-token prompts; 1,024 with 256-token completions), then
+    # the default recipe's small job as shipped (auto now takes the plain path there) and TRL's
+    environment
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    mkdir -p "$R/share"
+    for spec in 0.5b:32:512:64:64 0.5b:32:1024:256:32; do
+      IFS=: read -r shape prompts plen tlen micro <<<"$spec"
+      timeout 120 python3 benchmarks/update_precision.py --shapes "$shape" --arms mixed --share on,off,auto \
+        --repeats 3 --prompts "$prompts" --prompt-len "$plen" --completion-len "$tlen" --micro-batch "$micro" \
+        --out "$R/share/${spec//:/_}.json" 2>&1 | grep -E "update|Error" | cut -c1-200
+    done
+    timeout 150 python3 -m posttrain.entrypoints.grpo --config default -- job.name=small_rule rollout.backend=vllm \
+      rl.max_steps=40 >"$R/small_rule.log" 2>&1
+    echo "small_rule rc=$?"; tail -2 "$R/small_rule.log" | cut -c1-200
+    cp "$(ls -d /tmp/runs/posttrain/*/small_rule/*/ | tail -1)metrics.jsonl" "$R/small_rule.metrics.jsonl"
+    hf=$(dirname "$(ls -d /tmp/cache/*/*/config.json 2>/dev/null | head -1)")  # the converted SmolLM2
+    timeout 170 python3 "$PEERS/trl_grpo_gpu_learn.py" 40 5e-5 "$hf" >"$R/trl_small.log" 2>&1
+    echo "trl_small rc=$?"; grep TRLLEARN "$R/trl_small.log" | cut -c1-300
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  big)
+    # the 1.5B shape, ours and TRL's in the same lease
+    environment
+    model 1.5b /tmp/m15
+    step w15 170 --model /tmp/m15 --micro-batch 32 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
+      --out "$R/w15.json"
+    trl w15 220 /tmp/m15 32,8,256
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   trl135)
     environment
     model 135m /tmp/m135
@@ -173,6 +226,6 @@ case "${1:-}" in
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)
-    for part in ours more small seqs trl trl135 probe tests table; do bash "$0" "$part"; done ;;
-  *) sed -n 2,25p "$0"; exit 2 ;;
+    for part in ours more small seqs trl trl135 share sharecheck big probe tests table; do bash "$0" "$part"; done ;;
+  *) sed -n 2,29p "$0"; exit 2 ;;
 esac

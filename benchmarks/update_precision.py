@@ -16,6 +16,10 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
   (reproduced here by swapping the trainer's compute context, for the before/after);
 - ``mixed_compiled``: ``mixed`` with ``model.compile=true``.
 
+``--share on,off,auto`` repeats each arm per ``model.share_prompt_prefix`` value (the line and the
+JSON say which path ``auto`` took) and ``--prompt-len`` sets the prompts' length: where running each
+group's prompt once pays on a GPU (policy/shared_prefix.sharing_pays).
+
 No rollout engine: the update does not depend on it (the W step's other parts are grpo_step.py's).
 """
 
@@ -44,11 +48,11 @@ def make_model(shape: str, dtype: torch.dtype, device: str) -> Any:
         return LlamaForCausalLM(shape_config(TOKENIZER_DIR, shape)).to(dtype)
 
 
-def make_batch(prompts: int, completion_len: int) -> Any:
+def make_batch(prompts: int, completion_len: int, prompt_len: int = PROMPT_LEN) -> Any:
     from posttrain.policy.train_batch import TrainBatch
 
     g = torch.Generator().manual_seed(0)
-    prompt_ids = [torch.randint(100, 40000, (PROMPT_LEN,), generator=g).tolist() for _ in range(prompts)]
+    prompt_ids = [torch.randint(100, 40000, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
     n = prompts * SAMPLES
     completions = [torch.randint(100, 40000, (completion_len,), generator=g).tolist() for _ in range(n)]
     return TrainBatch(
@@ -61,7 +65,7 @@ def make_batch(prompts: int, completion_len: int) -> Any:
     )
 
 
-def trainer_for(model: Any, arm: str, args: argparse.Namespace) -> Any:
+def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "auto") -> Any:
     from posttrain.config.schema import GRPOConfig
     from posttrain.policy.objective import grpo_objective
     from posttrain.policy.trainer import PolicyTrainer
@@ -72,6 +76,7 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace) -> Any:
     cfg.rl.optimizer.lr, cfg.rl.kl_beta = 1e-6, 0.0
     cfg.rollout.max_tokens = args.completion_len
     cfg.model.compile = arm.endswith("_compiled")
+    cfg.model.share_prompt_prefix = {"auto": "auto", "on": True, "off": False}[share]
     trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=0)
     if arm == "autocast":
         device = trainer.device
@@ -90,13 +95,13 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_arm(shape: str, arm: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto") -> dict[str, Any]:
     dtype = torch.bfloat16 if arm == "bf16" else torch.float32
     model = make_model(shape, dtype, args.device)
     params = sum(p.numel() for p in model.parameters())
-    trainer = trainer_for(model, arm, args)
-    batch = make_batch(args.prompts, args.completion_len)
-    tokens = args.prompts * SAMPLES * (PROMPT_LEN + args.completion_len)
+    trainer = trainer_for(model, arm, args, share)
+    batch = make_batch(args.prompts, args.completion_len, args.prompt_len)
+    tokens = args.prompts * SAMPLES * (args.prompt_len + args.completion_len)
     times = []
     for i in range(args.repeats + 1):
         sync(args.device)
@@ -109,6 +114,11 @@ def run_arm(shape: str, arm: str, args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "shape": shape,
         "arm": arm,
+        "share_prompt_prefix": share,
+        "shared": trainer._share,
+        "prompts": args.prompts,
+        "prompt_len": args.prompt_len,
+        "completion_len": args.completion_len,
         "params": params,
         "seconds": times,
         "median_s": median,
@@ -116,7 +126,9 @@ def run_arm(shape: str, arm: str, args: argparse.Namespace) -> dict[str, Any]:
         "peak_alloc_gib": peak,
     }
     print(
-        f"{shape:5s} {arm:15s} update {median:.3f} s  MFU {100 * result['mfu']:.1f} %  peak {peak:.1f} GiB  "
+        f"{shape:5s} {arm:15s} share={share}({'on' if trainer._share else 'off'}) "
+        f"{args.prompts}x{SAMPLES} {args.prompt_len}+{args.completion_len} update {median:.3f} s  "
+        f"MFU {100 * result['mfu']:.1f} %  peak {peak:.1f} GiB  "
         f"(all {', '.join(f'{t:.3f}' for t in times)})",
         flush=True,
     )
@@ -137,6 +149,8 @@ def main() -> None:
     p.add_argument("--arms", default="bf16,mixed,autocast,mixed_compiled")
     p.add_argument("--prompts", type=int, default=32, help="x 8 completions (W: 32)")
     p.add_argument("--completion-len", type=int, default=256, help="tokens per completion (W: 256)")
+    p.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help=f"tokens per prompt (W: {PROMPT_LEN})")
+    p.add_argument("--share", default="auto", help="model.share_prompt_prefix values, comma-separated: auto,on,off")
     p.add_argument("--micro-batch", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -145,7 +159,8 @@ def main() -> None:
     results = []
     for shape in args.shapes.split(","):
         for arm in args.arms.split(","):
-            results.append(run_arm(shape, arm, args))
+            for share in args.share.split(","):
+                results.append(run_arm(shape, arm, args, share))
             if args.out:  # after each arm: a run cut short keeps what it measured
                 Path(args.out).write_text(json.dumps({"device": args.device, "results": results}, indent=1))
 

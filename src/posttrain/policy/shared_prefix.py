@@ -21,6 +21,33 @@ from posttrain.models.structure import split_body_and_head
 from posttrain.policy.batching import completion_grid
 from posttrain.policy.logprobs import chunked_head_logprobs
 
+# Where ``model.share_prompt_prefix=auto`` shares on a GPU. Measured on one H200 (the update alone,
+# benchmarks/update_precision.py --share on,off; docs/benchmarks.md, "eighth session"): the shared
+# path runs the layers twice (prompt pass, then completions over the repeated cache), so at small
+# sizes it pays twice the launches, and per computed token it costs 2-4x the plain path. It lost at
+# every measured size with prompts of 44 or 256 tokens (135M: 0.231 s against 0.113 s plain on the
+# default recipe's batch; 0.4B shape, 256-token prompts and 16-token completions: 0.242 against 0.173 s)
+# and won at every size with prompts of 512 or 1,024 tokens (0.4B shape: 512 + 64 tokens 1.03 against
+# 1.22 s; 1,024 + 64 1.71 against 2.26 s; 1,024 + 256 1.84 against 2.78 s). At about 2.2x the cost
+# per token and groups of 8, it breaks even near prompts of 1.7x the completions.
+GPU_SHARE_MIN_PROMPT_TOKENS = 512
+GPU_SHARE_MIN_PROMPT_TO_COMPLETION = 2.0
+
+
+def sharing_pays(mean_prompt_tokens: float, mean_completion_tokens: float, *, on_gpu: bool) -> bool:
+    """``model.share_prompt_prefix=auto``'s choice for a batch with these mean lengths.
+
+    On a CPU the update is compute-bound and running each prompt once saves its tokens' work as soon
+    as prompts are at least as long as completions. On a GPU small updates are launch-bound and the
+    shared path's second pass and cache handling cost more than the repeated prompt tokens it saves,
+    unless prompts are both long and well over the completions' length (the thresholds above)."""
+    if not on_gpu:
+        return mean_prompt_tokens >= mean_completion_tokens
+    return (
+        mean_prompt_tokens >= GPU_SHARE_MIN_PROMPT_TOKENS
+        and mean_prompt_tokens >= GPU_SHARE_MIN_PROMPT_TO_COMPLETION * mean_completion_tokens
+    )
+
 
 @dataclass
 class GroupedBatch:

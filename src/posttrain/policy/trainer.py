@@ -36,7 +36,12 @@ from posttrain.policy.logprobs import check_packing_isolates, completion_logprob
 from posttrain.policy.objective import Objective, objective_spec
 from posttrain.policy.optim import build_optimizer, build_scheduler
 from posttrain.policy.routing import RoutingReplay
-from posttrain.policy.shared_prefix import GroupedBatch, build_grouped_batch, grouped_completion_logprobs
+from posttrain.policy.shared_prefix import (
+    GroupedBatch,
+    build_grouped_batch,
+    grouped_completion_logprobs,
+    sharing_pays,
+)
 from posttrain.policy.train_batch import (
     TrainBatch,
     pad_rows,
@@ -153,13 +158,14 @@ class PolicyTrainer:
 
         ``model.share_prompt_prefix``, except when the objective reads the policy's logprobs at extra
         ids (the sampler's head, the teacher's top-k): those come from the plain path only.
-        ``auto``: share when the batch's mean prompt is at least as long as its mean completion
-        (below that the shared path's cache handling costs more than the repeated prompt tokens it
-        saves), and never under ``model.compile``: the shared path hands each compiled layer the KV
-        cache, whose per-layer state makes dynamo recompile per layer until it gives up at its
-        recompile limit (8) and runs the remaining layers eager. With several policy ranks the lengths of ALL
-        cells decide, so every rank takes the same forward path (the shared-prefix path runs other
-        FSDP collectives; a rank-local decision could desynchronise them)."""
+        ``auto``: ``shared_prefix.sharing_pays`` on the batch's mean lengths (on a CPU when the mean
+        prompt is at least as long as the mean completion; on a GPU only for long prompts well over
+        the completions' length, where the saved prompt tokens outweigh the second pass), and never
+        under ``model.compile``: the shared path hands each compiled layer the KV cache, whose
+        per-layer state makes dynamo recompile per layer until it gives up at its recompile limit (8)
+        and runs the remaining layers eager. With several policy ranks the lengths of ALL cells
+        decide, so every rank takes the same forward path (the shared-prefix path runs other FSDP
+        collectives; a rank-local decision could desynchronise them)."""
         share = self.cfg.model.share_prompt_prefix
         if batch.images is not None and share is True:
             raise TrainingError(f"model.share_prompt_prefix=true: {SHARED_PROMPT_REFUSAL}")
@@ -171,11 +177,18 @@ class PolicyTrainer:
             self._share = False
         else:
             lengths = torch.tensor(
-                [sum(len(p) for p in batch.prompt_ids), sum(len(c) for c in batch.completion_ids)],
+                [
+                    sum(len(p) for p in batch.prompt_ids),
+                    sum(len(c) for c in batch.completion_ids),
+                    len(batch.completion_ids),
+                ],
                 dtype=torch.float64,
             )
-            lengths = self.dp.sum(lengths)
-            self._share = bool(lengths[0] >= lengths[1])
+            prompt_tokens, completion_tokens, rows = self.dp.sum(lengths).tolist()
+            rows = max(rows, 1.0)
+            self._share = sharing_pays(
+                prompt_tokens / rows, completion_tokens / rows, on_gpu=self.device.type == "cuda"
+            )
         return self._share
 
     def _shares_prefix(self, batch: TrainBatch, size: int, mini: list[int]) -> bool:
