@@ -85,13 +85,10 @@ class ModelConfig(Section):
     """Recompute activations in backward to save memory."""
     share_prompt_prefix: bool | Literal["auto"] = "auto"
     """Run each group's prompt once in the policy forward (its KV cache is shared by the group's
-    completions); same gradient as running every prompt + completion. It saves work when prompts
-    are long next to completions and costs time when they are short. ``auto`` shares on a CPU when
-    a batch's mean prompt is at least as long as its mean completion, and on a GPU only when the
-    mean prompt is at least 512 tokens and 2x the mean completion: below that the shared path's
-    second pass costs more than the prompt tokens it saves (one H200: 0.23 s shared vs 0.11 s plain
-    on the default recipe's update; 1.84 vs 2.78 s at 1,024-token prompts with 256-token
-    completions; docs/benchmarks.md)."""
+    completions); same gradient as running every prompt + completion. ``auto`` shares on a CPU when
+    a batch's mean prompt is at least its mean completion, on a GPU only when it is also >= 512
+    tokens and 2x the completion: smaller, the second pass costs more than it saves (one H200: 0.23
+    s shared vs 0.11 s plain on the default recipe's update; docs/benchmarks.md)."""
     sequence_packing: bool = False
     """Pack each micro-batch's sequences end to end into as few rows as hold them (each as wide as
     its longest sequence) instead of one right-padded row per sequence, so the update computes
