@@ -36,6 +36,7 @@ def _deterministic(frame: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in frame.items() if not (k.startswith(TIMING_PREFIXES) or k.endswith(TIMING_SUFFIXES))}
 
 
+@pytest.mark.slow
 def test_pooled_run_trains_exactly_like_inline(
     ray_reference: RayRun, tiny_model_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path
 ) -> None:
@@ -62,6 +63,7 @@ def test_pooled_run_trains_exactly_like_inline(
     assert rows[-1]["objects"] == 0, rows  # once the run closes, no payload is left in the store
 
 
+@pytest.mark.slow
 def test_pooled_payloads_are_freed_every_step(
     tiny_model_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path
 ) -> None:

@@ -59,6 +59,7 @@ def _frames(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_lora_under_ray_syncs_the_adapter_alone_equals_local_and_resumes_from_the_archive(
     tiny_model_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path
 ) -> None:

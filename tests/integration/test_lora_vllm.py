@@ -147,6 +147,7 @@ def test_a_failed_adapter_sync_poisons_the_engine(
         _sample(engine, prompts)
 
 
+@pytest.mark.slow
 def test_grpo_run_with_lora_and_vllm_tracks_the_trainer(
     tmp_path: Path,
     smollm2_tokenizer_dir: str,

@@ -180,6 +180,7 @@ def test_traces_that_do_not_fit_the_policy_are_refused() -> None:
         _train(dataclasses.replace(batch, routing=out_of_range), ["rl.routing_replay=rollout"])
 
 
+@pytest.mark.slow
 def test_grpo_steps_on_a_moe_policy_with_two_gloo_ranks(
     tmp_path: Path, smollm2_tokenizer_dir: str, run_overrides: Callable[..., list[str]]
 ) -> None:

@@ -100,6 +100,7 @@ def test_synced_expert_weights_are_the_ones_vllm_samples_with(engine: VLLMRollou
     assert _gap(_trainer(moe_dir), engine.generate(PROMPTS, 3, params)) < 1e-4
 
 
+@pytest.mark.slow
 def test_a_separate_engine_process_takes_expert_weights_too(engine: VLLMRolloutEngine, moe_dir: str) -> None:
     """``separate_process``: the worker reloads from the shared buffer, then repacks its CPU MoE kernel."""
     eng = VLLMRolloutEngine(
@@ -132,6 +133,7 @@ def test_moe_backend_knobs_reach_vllm(moe_dir: str) -> None:
         VLLMTeacher(moe_dir, dtype="float32", max_model_len=256, moe_backend="bogus")
 
 
+@pytest.mark.slow
 def test_grpo_steps_on_a_moe_policy_with_the_vllm_engine(
     tmp_path: Path,
     smollm2_tokenizer_dir: str,

@@ -27,6 +27,7 @@ MISSING = missing_library()
 NIXL = ["rl.weight_sync_transport=nixl", "rl.weight_sync_bucket_bytes=65536"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(MISSING is not None, reason=f"NIXL cannot run here: {MISSING}")
 def test_a_nixl_run_trains_the_same_as_the_object_store(
     ray_reference: RayRun, tiny_model_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path

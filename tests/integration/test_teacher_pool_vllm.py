@@ -39,6 +39,7 @@ def local_ray(no_stale_shm: None) -> Iterator[None]:
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_a_tp2_vllm_replica_scores_as_one_engine_and_fails_whole(
     local_ray: None, smollm2_tokenizer_dir: str, tmp_path: Path
 ) -> None:

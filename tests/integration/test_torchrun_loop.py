@@ -66,7 +66,7 @@ def _only_run_dir(root: Path, job: str) -> Path:
     return dirs[0]
 
 
-@pytest.mark.parametrize("fmt", ["consolidated", "dcp"])
+@pytest.mark.parametrize("fmt", ["consolidated", pytest.param("dcp", marks=pytest.mark.slow)])
 def test_grpo_two_ranks_trains_uploads_and_resumes_exactly_from_the_archive(
     tiny_model_dir: str, run_overrides: Callable[..., list[str]], tmp_path: Path, fmt: str
 ) -> None:
@@ -113,6 +113,7 @@ def test_grpo_two_ranks_trains_uploads_and_resumes_exactly_from_the_archive(
         assert again[2][key] == pytest.approx(frames[2][key], rel=1e-6, abs=1e-9), key
 
 
+@pytest.mark.slow
 def test_opd_two_ranks(tiny_model_dir: str, tmp_path: Path) -> None:
     overrides = [
         f"model.name_or_path={tiny_model_dir}",

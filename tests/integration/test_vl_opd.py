@@ -152,6 +152,7 @@ def test_cross_token_multimodal_dpca_run(pair: Path, tmp_path: Path) -> None:
         assert f["train/opd_teacher_credit"] != 0.0 and f["train/grad_norm"] > 0
 
 
+@pytest.mark.slow
 def test_multimodal_opd_under_two_gloo_ranks(pair: Path, tmp_path: Path) -> None:
     """The real entrypoint under ``torchrun`` with two policy ranks: each rank samples its data cell's
     image prompts and its own in-process teacher scores them; the metrics cover the whole batch."""

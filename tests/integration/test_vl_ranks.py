@@ -145,6 +145,7 @@ def test_two_ranks_train_the_image_batch_as_one_process(runs: tuple[str, dict[st
     assert moved, "the vision tower did not train"
 
 
+@pytest.mark.slow
 def test_multimodal_run_under_torchrun_syncs_the_whole_policy_to_each_engine(
     runs: tuple[str, dict[str, Any], list[Any]], tmp_path: Path
 ) -> None:

@@ -86,6 +86,7 @@ def test_two_grpo_steps_with_the_vllm_engine_and_an_exact_resume(
     assert all(torch.equal(final[k], after[k]) for k in after)
 
 
+@pytest.mark.slow
 def test_sampler_logprobs_recorded_every_other_step(
     tmp_path: Path,
     smollm2_tokenizer_dir: str,
@@ -104,7 +105,7 @@ def test_sampler_logprobs_recorded_every_other_step(
     assert all(r["train/grad_norm"] > 0 for r in records)
 
 
-@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("separate", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_one_step_off_policy_overlaps_sampling_with_training(
     tmp_path: Path,
     smollm2_tokenizer_dir: str,
@@ -128,7 +129,7 @@ def test_one_step_off_policy_overlaps_sampling_with_training(
     assert min(r["train/logprob_gap_max"] for r in records[1:]) > 1e-3
 
 
-@pytest.mark.parametrize("rollout_backend", ["hf", "vllm"])
+@pytest.mark.parametrize("rollout_backend", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
 def test_opd_with_a_vllm_teacher(tmp_path: Path, smollm2_tokenizer_dir: str, rollout_backend: str) -> None:
     """Direct OPD whose teacher scores through vLLM prompt logprobs (its own engine in the run's
     process), the student sampling with the transformers engine or with a second in-process vLLM
@@ -180,6 +181,7 @@ def test_opd_with_a_vllm_teacher(tmp_path: Path, smollm2_tokenizer_dir: str, rol
         assert records[2]["train/logprob_gap_max"] < 1e-3, records[2]
 
 
+@pytest.mark.slow
 def test_two_torchrun_ranks_each_with_a_colocated_vllm_engine(
     tmp_path: Path, smollm2_tokenizer_dir: str, run_overrides: Callable[..., list[str]]
 ) -> None:
