@@ -55,6 +55,24 @@ trl() {  # NAME TIMEOUT MODEL B,GA,L: TRL's GRPOTrainer (vLLM colocated at 0.3) 
   echo "trl_$name rc=$?"; [ -s "$R/trl_$name/trl_vllm.json" ] && cp "$R/trl_$name/trl_vllm.json" "$R/trl_$name.json"
   grep -E "^TRL step" "$R/trl_$name.log" | tail -4 | cut -c1-200
 }
+share_sweep() {  # SHARES SPEC...: the update alone per model.share_prompt_prefix value (SHARES, e.g.
+  # on,off), each SPEC shape:prompts:prompt_len:completion_len:micro_batch
+  local shares=$1 spec shape prompts plen tlen micro; shift
+  mkdir -p "$R/share"
+  for spec in "$@"; do
+    IFS=: read -r shape prompts plen tlen micro <<<"$spec"
+    timeout 120 python3 benchmarks/update_precision.py --shapes "$shape" --arms mixed --share "$shares" --repeats 3 \
+      --prompts "$prompts" --prompt-len "$plen" --completion-len "$tlen" --micro-batch "$micro" \
+      --out "$R/share/${spec//:/_}.json" 2>&1 | grep -E "update|Error" | cut -c1-200
+  done
+}
+small_job() {  # NAME [OVERRIDES...]: the default recipe with vLLM, 40 steps; its metrics.jsonl as NAME.metrics.jsonl
+  local name=$1; shift
+  timeout 150 python3 -m posttrain.entrypoints.grpo --config default -- job.name="$name" rollout.backend=vllm \
+    rl.max_steps=40 "$@" >"$R/$name.log" 2>&1
+  echo "$name rc=$?"; tail -2 "$R/$name.log" | cut -c1-200
+  cp "$(ls -d /tmp/runs/posttrain/*/"$name"/*/ | tail -1)metrics.jsonl" "$R/$name.metrics.jsonl"
+}
 environment() {
   if [ -d /tmp/site/vllm ]; then
     export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -172,38 +190,20 @@ case "${1:-}" in
     # shipped (auto) and with the plain path (share_prompt_prefix=false), one after the other
     environment
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
-    mkdir -p "$R/share"
-    for spec in 135m:4:44:16:32 135m:32:44:16:256 135m:32:256:64:64 0.5b:8:256:16:64 0.5b:32:256:64:64 \
-      0.5b:32:1024:64:32; do
-      IFS=: read -r shape prompts plen tlen micro <<<"$spec"
-      timeout 120 python3 benchmarks/update_precision.py --shapes "$shape" --arms mixed --share on,off --repeats 3 \
-        --prompts "$prompts" --prompt-len "$plen" --completion-len "$tlen" --micro-batch "$micro" \
-        --out "$R/share/${spec//:/_}.json" 2>&1 | grep -E "update|Error" | cut -c1-200
-    done
-    for arm in auto:auto plain:false; do
-      timeout 150 python3 -m posttrain.entrypoints.grpo --config default -- job.name="small_${arm%%:*}" \
-        rollout.backend=vllm rl.max_steps=40 model.share_prompt_prefix="${arm##*:}" >"$R/small_${arm%%:*}.log" 2>&1
-      echo "small_${arm%%:*} rc=$?"; tail -2 "$R/small_${arm%%:*}.log" | cut -c1-200
-      cp "$(ls -d /tmp/runs/posttrain/*/small_${arm%%:*}/*/ | tail -1)metrics.jsonl" "$R/small_${arm%%:*}.metrics.jsonl"
-    done
+    share_sweep on,off 135m:4:44:16:32 135m:32:44:16:256 135m:32:256:64:64 0.5b:8:256:16:64 0.5b:32:256:64:64 \
+      0.5b:32:1024:64:32
+    small_job small_auto model.share_prompt_prefix=auto
+    small_job small_plain model.share_prompt_prefix=false
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   sharecheck)
     # after model.share_prompt_prefix=auto's GPU rule (policy/shared_prefix.sharing_pays): the update
-    # on either side of its thresholds (512-token prompts; 1,024 with 256-token completions), then
-    # the default recipe's small job as shipped (auto now takes the plain path there) and TRL's
+    # at two sizes its first version (1,024 tokens and 8x) left plain (512-token prompts; 1,024 with
+    # 256-token completions), then the default recipe's small job as shipped (auto takes the plain
+    # path there) and TRL's
     environment
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
-    mkdir -p "$R/share"
-    for spec in 0.5b:32:512:64:64 0.5b:32:1024:256:32; do
-      IFS=: read -r shape prompts plen tlen micro <<<"$spec"
-      timeout 120 python3 benchmarks/update_precision.py --shapes "$shape" --arms mixed --share on,off,auto \
-        --repeats 3 --prompts "$prompts" --prompt-len "$plen" --completion-len "$tlen" --micro-batch "$micro" \
-        --out "$R/share/${spec//:/_}.json" 2>&1 | grep -E "update|Error" | cut -c1-200
-    done
-    timeout 150 python3 -m posttrain.entrypoints.grpo --config default -- job.name=small_rule rollout.backend=vllm \
-      rl.max_steps=40 >"$R/small_rule.log" 2>&1
-    echo "small_rule rc=$?"; tail -2 "$R/small_rule.log" | cut -c1-200
-    cp "$(ls -d /tmp/runs/posttrain/*/small_rule/*/ | tail -1)metrics.jsonl" "$R/small_rule.metrics.jsonl"
+    share_sweep on,off,auto 0.5b:32:512:64:64 0.5b:32:1024:256:32
+    small_job small_rule
     hf=$(dirname "$(ls -d /tmp/cache/*/*/config.json 2>/dev/null | head -1)")  # the converted SmolLM2
     timeout 170 python3 "$PEERS/trl_grpo_gpu_learn.py" 40 5e-5 "$hf" >"$R/trl_small.log" 2>&1
     echo "trl_small rc=$?"; grep TRLLEARN "$R/trl_small.log" | cut -c1-300
