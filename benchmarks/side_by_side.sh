@@ -66,12 +66,19 @@ share_sweep() {  # SHARES SPEC...: the update alone per model.share_prompt_prefi
       --out "$R/share/${spec//:/_}.json" 2>&1 | grep -E "update|Error" | cut -c1-200
   done
 }
-small_job() {  # NAME [OVERRIDES...]: the default recipe with vLLM, 40 steps; its metrics.jsonl as NAME.metrics.jsonl
-  local name=$1; shift
-  timeout 150 python3 -m posttrain.entrypoints.grpo --config default -- job.name="$name" rollout.backend=vllm \
+small_job() {  # NAME TIMEOUT [OVERRIDES...]: the default recipe as a user runs it, with vLLM, 40 steps;
+  # its per-step timers (metrics.jsonl) kept as NAME.metrics.jsonl
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m posttrain.entrypoints.grpo --config default -- job.name="$name" rollout.backend=vllm \
     rl.max_steps=40 "$@" >"$R/$name.log" 2>&1
-  echo "$name rc=$?"; tail -2 "$R/$name.log" | cut -c1-200
+  echo "$name rc=$?"; tail -3 "$R/$name.log" | cut -c1-200
   cp "$(ls -d /tmp/runs/posttrain/*/"$name"/*/ | tail -1)metrics.jsonl" "$R/$name.metrics.jsonl"
+}
+trl_small() {  # TRL's GRPOTrainer on the same small task (40 steps, lr 5e-5), on the SmolLM2 the small job converted
+  local hf
+  hf=$(dirname "$(ls -d /tmp/cache/*/*/config.json 2>/dev/null | head -1)")
+  timeout 170 python3 "$PEERS/trl_grpo_gpu_learn.py" 40 5e-5 "$hf" >"$R/trl_small.log" 2>&1
+  echo "trl_small rc=$?"; grep TRLLEARN "$R/trl_small.log" | cut -c1-300
 }
 environment() {
   if [ -d /tmp/site/vllm ]; then
@@ -125,23 +132,14 @@ case "${1:-}" in
   small)
     environment
     (model 0.5b /tmp/m05 &)  # for `seqs` and `trl`, meanwhile
-    # the default recipe as a user runs it, with vLLM; its per-step timers in metrics.jsonl
-    timeout 200 python3 -m posttrain.entrypoints.grpo --config default -- job.name=small rollout.backend=vllm \
-      rl.max_steps=40 >"$R/small.log" 2>&1
-    echo "small rc=$?"; tail -3 "$R/small.log" | cut -c1-200
-    cp "$(ls -d /tmp/runs/posttrain/*/small/*/ | tail -1)metrics.jsonl" "$R/small.metrics.jsonl"
-    hf=$(dirname "$(ls -d /tmp/cache/*/*/config.json 2>/dev/null | head -1)")  # the converted SmolLM2
-    timeout 170 python3 "$PEERS/trl_grpo_gpu_learn.py" 40 5e-5 "$hf" >"$R/trl_small.log" 2>&1
-    echo "trl_small rc=$?"; grep TRLLEARN "$R/trl_small.log" | cut -c1-300
+    small_job small 200
+    trl_small
     [ -z "${SKIP_TRL15:-}" ] && trl w15 200 /tmp/m15 32,8,256
     # each fixed cost of the small step on its own (weight sync, rendering, metrics, clip, optimizer...)
     timeout 150 python3 benchmarks/step_overheads.py --device cuda --engine vllm --out "$R/overheads_vllm.json" \
       >"$R/overheads_vllm.log" 2>&1; echo "overheads rc=$?"; grep -E "^\|" "$R/overheads_vllm.log" | head -30
     # the same small job with compiled decoder layers (model.compile: ~15 s once, then a faster update)
-    timeout 170 python3 -m posttrain.entrypoints.grpo --config default -- job.name=small_compiled rollout.backend=vllm \
-      rl.max_steps=40 model.compile=true >"$R/small_compiled.log" 2>&1
-    echo "small_compiled rc=$?"; tail -3 "$R/small_compiled.log" | cut -c1-200
-    cp "$(ls -d /tmp/runs/posttrain/*/small_compiled/*/ | tail -1)metrics.jsonl" "$R/small_compiled.metrics.jsonl"
+    small_job small_compiled 170 model.compile=true
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   trl)
     environment
@@ -192,8 +190,8 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
     share_sweep on,off 135m:4:44:16:32 135m:32:44:16:256 135m:32:256:64:64 0.5b:8:256:16:64 0.5b:32:256:64:64 \
       0.5b:32:1024:64:32
-    small_job small_auto model.share_prompt_prefix=auto
-    small_job small_plain model.share_prompt_prefix=false
+    small_job small_auto 150 model.share_prompt_prefix=auto
+    small_job small_plain 150 model.share_prompt_prefix=false
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   sharecheck)
     # after model.share_prompt_prefix=auto's GPU rule (policy/shared_prefix.sharing_pays): the update
@@ -203,10 +201,8 @@ case "${1:-}" in
     environment
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
     share_sweep on,off,auto 0.5b:32:512:64:64 0.5b:32:1024:256:32
-    small_job small_rule
-    hf=$(dirname "$(ls -d /tmp/cache/*/*/config.json 2>/dev/null | head -1)")  # the converted SmolLM2
-    timeout 170 python3 "$PEERS/trl_grpo_gpu_learn.py" 40 5e-5 "$hf" >"$R/trl_small.log" 2>&1
-    echo "trl_small rc=$?"; grep TRLLEARN "$R/trl_small.log" | cut -c1-300
+    small_job small_rule 150
+    trl_small
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   big)
     # the 1.5B shape, ours and TRL's in the same lease

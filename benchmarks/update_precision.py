@@ -161,8 +161,8 @@ def main() -> None:
         for arm in args.arms.split(","):
             for share in args.share.split(","):
                 results.append(run_arm(shape, arm, args, share))
-            if args.out:  # after each arm: a run cut short keeps what it measured
-                Path(args.out).write_text(json.dumps({"device": args.device, "results": results}, indent=1))
+                if args.out:  # after each arm: a run cut short keeps what it measured
+                    Path(args.out).write_text(json.dumps({"device": args.device, "results": results}, indent=1))
 
 
 if __name__ == "__main__":
