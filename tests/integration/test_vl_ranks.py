@@ -35,6 +35,10 @@ TRAIN = [
     "rl.mini_batch_per_replica=4",  # two optimizer steps: the pi_old pass runs on the image rows
     "rl.micro_batch_per_replica=2",  # two micro-batches per optimizer step on each rank
     "rl.optimizer.lr=1e-4",
+    # not AdamW's 1e-8: its first step moves a weight by lr * g / (|g| + eps), and at eps 1e-8 the
+    # ranks' other summation order in a near-zero gradient moved one weight by more than PARAM_ATOL
+    # on one CPU; a wrong reduction still moves weights by O(lr)
+    "rl.optimizer.eps=1e-4",
     "rl.optimizer.grad_clip_norm=null",
     "rl.kl_beta=0.1",
     "rl.ref.build_ref=true",

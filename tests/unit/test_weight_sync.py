@@ -3,6 +3,7 @@ over a real gloo pair group in two processes."""
 
 from __future__ import annotations
 
+import io
 import socket
 
 import pytest
@@ -44,7 +45,11 @@ def _free_port() -> int:
 def _replica(port: int, bucket_bytes: int, queue: mp.Queue) -> None:
     group = weight_sync.pair_group("127.0.0.1", port, 1, timeout_s=60)
     got = weight_sync.receive(group, weight_sync.describe(_tensors()), torch.device("cpu"), bucket_bytes)
-    queue.put({k: v.clone() for k, v in got.items()})
+    # As bytes: a tensor put on a torch queue travels as a file descriptor the receiver fetches from
+    # this process, which may have exited by then (seen under load: ConnectionResetError).
+    payload = io.BytesIO()
+    torch.save({k: v.clone() for k, v in got.items()}, payload)  # own storage each: views share a bucket
+    queue.put(payload.getvalue())
 
 
 @pytest.mark.parametrize("bucket_bytes", [160, 1, weight_sync.BUCKET_BYTES])
@@ -57,7 +62,7 @@ def test_send_receive_bitwise_over_gloo(bucket_bytes: int) -> None:
     group = weight_sync.pair_group("127.0.0.1", port, 0, timeout_s=60)
     sent = _tensors()
     weight_sync.send(group, sent, bucket_bytes)
-    got = queue.get(timeout=60)
+    got = torch.load(io.BytesIO(queue.get(timeout=60)))
     proc.join(timeout=60)
     assert proc.exitcode == 0
     assert list(got) == list(sent)
