@@ -3,10 +3,11 @@ directory (for the GPU benchmarks; nothing is downloaded).
 
     python benchmarks/make_random_model.py TOKENIZER_DIR OUT_DIR --shape 1.5b
 
-Shapes: ``135m`` (SmolLM2-135M itself), ``0.5b`` (Qwen2.5-0.5B's body: issue 9's 402M workload
-model, the same as ``../shared/peers/make_random_models.py`` builds) and ``1.5b`` (Qwen2.5-1.5B's
-body: hidden 1,536, intermediate 8,960, 28 layers, 12 query and 2 key/value heads of 128; 1.39B
-parameters with the 49,152-token vocabulary and tied embeddings).
+Shapes: ``135m`` (SmolLM2-135M itself), ``tiny30`` (its 30 layers at width 64), ``0.5b``
+(Qwen2.5-0.5B's body: issue 9's 402M workload model, the same as
+``../shared/peers/make_random_models.py`` builds) and ``1.5b`` (Qwen2.5-1.5B's body: hidden 1,536,
+intermediate 8,960, 28 layers, 12 query and 2 key/value heads of 128; 1.39B parameters with the
+49,152-token vocabulary and tied embeddings).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=64),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, head_dim=128),
+    # the 135M shape's 30 layers at width 64: on a GPU its update is almost nothing but kernel
+    # launches, the floor of the 135M shape's launch-bound small update (update_precision.py)
+    "tiny30": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16),
     # larger bodies of the same family (Qwen2.5-3B and -7B; a 10B-class one between 7B and 14B),
     # used by update_memory.py to find the largest model that trains on one GPU
     "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,

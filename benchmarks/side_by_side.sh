@@ -25,6 +25,10 @@
 #   probe  W shipped, 128 prompts, compiled; W's generation alone, bare vLLM against ours, profiled;
 #          128 prompts and W with CUDA graphs captured up to 1,024 sequences (--cudagraph-max)
 #   tests  the GPU test files of the mixed-precision and in-place weight-load paths (smoke, vLLM, MoE, VL GRPO)
+#   launch why a compiled small update is no faster than an eager one (both ~0.10 s): the update alone
+#          at the default recipe's size, eager, compiled per layer and per layer with CUDA graphs, each
+#          profiled (GPU busy time against wall time), on the 135M shape and on its 30 layers at width
+#          64 (tiny30: the launches without the arithmetic); then the small job as shipped
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -219,9 +223,21 @@ case "${1:-}" in
       --out "$R/w135.json"
     trl w135 170 /tmp/m135 32,8,256
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  launch)
+    environment
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    mkdir -p "$R/launch"
+    for shape in 135m tiny30; do
+      timeout 150 python3 benchmarks/update_precision.py --shapes "$shape" --prompts 4 --completion-len 16 \
+        --micro-batch 32 --share off --repeats 5 --profile --arms mixed,mixed_compiled,mixed_graphs \
+        --out "$R/launch/$shape.json" >"$R/launch/$shape.log" 2>&1
+      echo "launch $shape rc=$?"; grep -E "update|profiled|Error|skipping cudagraphs" "$R/launch/$shape.log" | cut -c1-220
+    done
+    small_job small_shipped 170
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)
-    for part in ours more small seqs trl trl135 share sharecheck big probe tests table; do bash "$0" "$part"; done ;;
-  *) sed -n 2,29p "$0"; exit 2 ;;
+    for part in ours more small seqs trl trl135 share sharecheck big probe tests launch table; do bash "$0" "$part"; done ;;
+  *) sed -n 2,33p "$0"; exit 2 ;;
 esac

@@ -14,7 +14,18 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
   (``models.precision.compute_weights``);
 - ``autocast``: fp32 master weights under ``torch.autocast(bfloat16)``, the path ``mixed`` replaced
   (reproduced here by swapping the trainer's compute context, for the before/after);
-- ``mixed_compiled``: ``mixed`` with ``model.compile=true``.
+- ``mixed_compiled``: ``mixed`` with ``model.compile=true`` (each decoder layer compiled on its own);
+- ``mixed_body_compiled``: ``mixed`` with the whole decoder body compiled as one graph instead (not a
+  knob: whether the per-layer calls' own host cost matters; on the CPU it did not, and it compiled
+  for 194 s against 11 s, ``update_host_cost.py``);
+- ``mixed_graphs``: each decoder layer compiled with ``mode="reduce-overhead"`` (not a knob:
+  inductor's CUDA graphs, one replay per layer and shape instead of a launch per kernel; CUDA only).
+
+``--profile`` runs each arm's update once more under torch.profiler and prints the wall time against
+the GPU's busy time (kernel time summed), the kernels launched and the aten calls: an update whose
+busy time is a small share of its wall time is bound by its host-side launches, not by arithmetic.
+The ``tiny30`` shape (the 135M shape's 30 layers at width 64, the same vocabulary) has the 135M
+shape's launches with almost none of its arithmetic: on a GPU, the floor of the small update.
 
 ``--share on,off,auto`` repeats each arm per ``model.share_prompt_prefix`` value (the line and the
 JSON say which path ``auto`` took) and ``--prompt-len`` sets the prompts' length: where running each
@@ -75,17 +86,25 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
     cfg.rl.micro_batch_per_replica = args.micro_batch
     cfg.rl.optimizer.lr, cfg.rl.kl_beta = 1e-6, 0.0
     cfg.rollout.max_tokens = args.completion_len
-    cfg.model.compile = arm.endswith("_compiled")
+    cfg.model.compile = arm == "mixed_compiled"
     cfg.model.share_prompt_prefix = {"auto": "auto", "on": True, "off": False}[share]
     trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=0)
-    if arm == "autocast":
+    if arm in ("mixed_body_compiled", "mixed_graphs"):
+        from posttrain.models.structure import split_body_and_head
+
+        body, _ = split_body_and_head(model)
+        if arm == "mixed_body_compiled":
+            body.compile(dynamic=True)
+        for layer in body.layers if arm == "mixed_graphs" else ():
+            layer.compile(dynamic=True, mode="reduce-overhead")
+    elif arm == "autocast":
         device = trainer.device
 
         def autocast(_model: Any) -> Any:
             return torch.autocast(device.type, dtype=torch.bfloat16)
 
         trainer._compute = autocast  # type: ignore[method-assign]  # the replaced path, for the before/after
-    elif arm not in ("bf16", "mixed", "mixed_compiled"):
+    if arm not in ("bf16", "mixed", "mixed_compiled", "mixed_body_compiled", "mixed_graphs", "autocast"):
         raise SystemExit(f"unknown arm {arm!r}")
     return trainer
 
@@ -93,6 +112,32 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def profile_update(trainer: Any, batch: Any, device: str, step: int) -> dict[str, Any]:
+    """One more update under torch.profiler: its wall time, the GPU's busy time (the kernels'
+    durations summed), the kernels and CUDA-graph replays launched, and the aten calls made."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        sync(device)
+        start = time.perf_counter()
+        trainer.train_on(batch, step=step)
+        sync(device)
+        wall = time.perf_counter() - start
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    names = [e.name for e in events]
+    return {
+        "wall_s": wall,
+        "gpu_busy_s": sum(e.time_range.elapsed_us() for e in kernels) / 1e6,
+        "kernels": len(kernels),
+        "kernel_launches": sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names),
+        "graph_launches": sum(n == "cudaGraphLaunch" for n in names),
+        "aten_calls": sum(n.startswith("aten::") for n in names),
+    }
 
 
 def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto") -> dict[str, Any]:
@@ -132,6 +177,14 @@ def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto")
         f"(all {', '.join(f'{t:.3f}' for t in times)})",
         flush=True,
     )
+    if args.profile:
+        result["profile"] = prof = profile_update(trainer, batch, args.device, args.repeats + 2)
+        print(
+            f"      profiled: wall {1e3 * prof['wall_s']:.1f} ms, GPU busy {1e3 * prof['gpu_busy_s']:.1f} ms "
+            f"({prof['kernels']} kernels; {prof['kernel_launches']} launches, {prof['graph_launches']} graph "
+            f"replays), {prof['aten_calls']} aten calls",
+            flush=True,
+        )
     del trainer, model
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -154,6 +207,7 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--profile", action="store_true", help="one more update per arm under torch.profiler")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     results = []
