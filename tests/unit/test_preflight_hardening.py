@@ -352,6 +352,9 @@ def test_an_unwritable_output_root_is_found_by_access(tmp_path: Path, monkeypatc
         ),
         ("import sys\nsys.exit(3)\n", ["SystemExit(3)"]),
         ("def make_config():\n    return 1 / 0\n", ["ZeroDivisionError"]),
+        # a recipe that does not parse: the parser's line and column, not SyntaxError's tuple repr
+        ("def make_config(:\n    return GRPOConfig()\n", ["line 2:", "SyntaxError: ", "at column 17"]),
+        ("def make_config():\nreturn GRPOConfig()\n", ["line 3:", "IndentationError: expected an indented block"]),
     ],
 )
 def test_a_recipe_that_raises_is_a_named_config_error(tmp_path: Path, body: str, needles: list[str]) -> None:

@@ -206,12 +206,18 @@ def config_yaml(tree: Mapping[str, Any]) -> str:
 
 
 def _exc(exc: BaseException) -> str:
+    if isinstance(exc, SyntaxError) and exc.msg:  # its repr is a tuple of the file's coordinates
+        column = f" at column {exc.offset}" if exc.offset else ""
+        return shown_text(f"{type(exc).__name__}: {exc.msg}{column}", 300)
     return shown_text(repr(exc), 300)
 
 
 def _recipe_line(path: Path, exc: BaseException) -> str:
-    """`` line N``: the recipe's own line where ``exc`` was raised (its deepest frame in the file)."""
+    """`` line N``: the recipe's own line where ``exc`` was raised (its deepest frame in the file),
+    or, for a recipe that does not parse, the line the parser names."""
     target = path.resolve()
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno and Path(exc.filename).resolve() == target:
+        return f" line {exc.lineno}"
     lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == target]
     return f" line {lines[-1]}" if lines else ""
 
