@@ -78,6 +78,7 @@ def make_batch(prompts: int, completion_len: int, prompt_len: int = PROMPT_LEN) 
 
 def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "auto") -> Any:
     from posttrain.config.schema import GRPOConfig
+    from posttrain.models.structure import split_body_and_head
     from posttrain.policy.objective import grpo_objective
     from posttrain.policy.trainer import PolicyTrainer
 
@@ -89,13 +90,10 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
     cfg.model.compile = arm == "mixed_compiled"
     cfg.model.share_prompt_prefix = {"auto": "auto", "on": True, "off": False}[share]
     trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=0)
-    if arm in ("mixed_body_compiled", "mixed_graphs"):
-        from posttrain.models.structure import split_body_and_head
-
-        body, _ = split_body_and_head(model)
-        if arm == "mixed_body_compiled":
-            body.compile(dynamic=True)
-        for layer in body.layers if arm == "mixed_graphs" else ():
+    if arm == "mixed_body_compiled":
+        split_body_and_head(model)[0].compile(dynamic=True)
+    elif arm == "mixed_graphs":  # as model.compile's compile_layers, in inductor's CUDA-graph mode
+        for layer in split_body_and_head(model)[0].layers:
             layer.compile(dynamic=True, mode="reduce-overhead")
     elif arm == "autocast":
         device = trainer.device
@@ -104,7 +102,7 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
             return torch.autocast(device.type, dtype=torch.bfloat16)
 
         trainer._compute = autocast  # type: ignore[method-assign]  # the replaced path, for the before/after
-    if arm not in ("bf16", "mixed", "mixed_compiled", "mixed_body_compiled", "mixed_graphs", "autocast"):
+    elif arm not in ("bf16", "mixed", "mixed_compiled"):
         raise SystemExit(f"unknown arm {arm!r}")
     return trainer
 
