@@ -7,7 +7,7 @@ OURS: written by ``benchmarks/grpo_step.py --out`` (or one arm's file of ``--arm
 written by ``../shared/peers/trl_grpo_gpu_step.py`` (``$OUT/trl_<mode>.json``). Medians of steps 2 on
 for ours, TRL's own median of its steps 2-4. ``--dir`` reads what ``benchmarks/side_by_side.sh`` leaves
 there: ``w/*.json`` (workload W's arms and the growth arms), ``w_offpolicy.json``, ``w15.json``,
-``w135.json``, ``p128_seqs512.json``, ``trl_*.json``, ``small.metrics.jsonl`` and ``trl_small.log``.
+``w135.json``, ``w3b.json``, ``p128_seqs512.json``, ``trl_*.json``, ``small.metrics.jsonl`` and ``trl_small.log``.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def growth_table(r: Path) -> str:
         ),
         (
             "model (W's batch)",
-            [("135M", "w135"), ("0.4B", "w/seeded_first"), ("1.5B", "w15")],
-            {"135M": "trl_w135", "0.4B": "trl_w", "1.5B": "trl_w15"},
+            [("135M", "w135"), ("0.4B", "w/seeded_first"), ("1.5B", "w15"), ("3B, micro-batches of 8", "w3b")],
+            {"135M": "trl_w135", "0.4B": "trl_w", "1.5B": "trl_w15", "3B, micro-batches of 8": "trl_w3b"},
         ),
     ]
     for axis, points, trl_names in grid:
@@ -148,7 +148,7 @@ def dir_tables(r: Path) -> str:
         if trl_w.exists():
             lines.append(trl_row(trl_w, "TRL 1.16, vLLM colocated 0.3"))
         parts.append("## Workload W (0.4B shape, 32 prompts x 8 samples x 256 tokens)\n\n" + "\n".join(lines))
-    for name, title in (("w15", "1.5B shape"), ("w135", "135M shape")):
+    for name, title in (("w15", "1.5B shape"), ("w135", "135M shape"), ("w3b", "3B shape")):
         ours, trl = r / f"{name}.json", r / f"trl_{name}.json"
         if ours.exists() and trl.exists():
             parts.append(f"## W's batch on the {title}\n\n" + pair_table(ours, trl, []))

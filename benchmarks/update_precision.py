@@ -20,12 +20,21 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
   for 194 s against 11 s, ``update_host_cost.py``);
 - ``mixed_graphs``: each decoder layer compiled with ``mode="reduce-overhead"`` (not a knob:
   inductor's CUDA graphs, one replay per layer and shape instead of a launch per kernel; CUDA only).
+  On the H200 (2026-12-04) it took 1.8 s against 0.10 s: a layer's graph runs while the previous
+  layers' backwards are pending, which keeps CUDA-graph trees off their fast path;
+- ``mixed_body_graphs``: the whole decoder body compiled as one graph with ``mode="reduce-overhead"``
+  and ``torch.compiler.cudagraph_mark_step_begin()`` before each update (not a knob: one forward and
+  one backward replay per update, so no backward is pending when a graph runs; CUDA only).
 
 ``--profile`` runs each arm's update once more under torch.profiler and prints the wall time against
 the GPU's busy time (kernel time summed), the kernels launched and the aten calls: an update whose
 busy time is a small share of its wall time is bound by its host-side launches, not by arithmetic.
 The ``tiny30`` shape (the 135M shape's 30 layers at width 64, the same vocabulary) has the 135M
 shape's launches with almost none of its arithmetic: on a GPU, the floor of the small update.
+
+``--vary-lengths K`` cycles the timed updates through K completion lengths, as a run's batches
+change from step to step: what a CUDA-graph arm pays to record a graph per new shape, and whether it
+then replays.
 
 ``--share on,off,auto`` repeats each arm per ``model.share_prompt_prefix`` value (the line and the
 JSON say which path ``auto`` took) and ``--prompt-len`` sets the prompts' length: where running each
@@ -92,6 +101,8 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
     trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=0)
     if arm == "mixed_body_compiled":
         split_body_and_head(model)[0].compile(dynamic=True)
+    elif arm == "mixed_body_graphs":  # fixed shapes here: one recording, then replays
+        split_body_and_head(model)[0].compile(mode="reduce-overhead")
     elif arm == "mixed_graphs":  # as model.compile's compile_layers, in inductor's CUDA-graph mode
         for layer in split_body_and_head(model)[0].layers:
             layer.compile(dynamic=True, mode="reduce-overhead")
@@ -112,7 +123,15 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def profile_update(trainer: Any, batch: Any, device: str, step: int) -> dict[str, Any]:
+def update(trainer: Any, batch: Any, step: int, arm: str) -> None:
+    """One ``train_on``; a CUDA-graph arm first tells inductor that a new step begins (its graphs'
+    outputs from the last update are dead), so the trees replay instead of re-recording."""
+    if arm.endswith("graphs"):
+        torch.compiler.cudagraph_mark_step_begin()
+    trainer.train_on(batch, step=step)
+
+
+def profile_update(trainer: Any, batch: Any, device: str, step: int, arm: str) -> dict[str, Any]:
     """One more update under torch.profiler: its wall time, the GPU's busy time (the kernels'
     durations summed), the kernels and CUDA-graph replays launched, and the aten calls made."""
     from torch.autograd import DeviceType
@@ -122,7 +141,7 @@ def profile_update(trainer: Any, batch: Any, device: str, step: int) -> dict[str
     with profile(activities=activities) as prof:
         sync(device)
         start = time.perf_counter()
-        trainer.train_on(batch, step=step)
+        update(trainer, batch, step, arm)
         sync(device)
         wall = time.perf_counter() - start
     events = prof.events()
@@ -143,13 +162,16 @@ def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto")
     model = make_model(shape, dtype, args.device)
     params = sum(p.numel() for p in model.parameters())
     trainer = trainer_for(model, arm, args, share)
-    batch = make_batch(args.prompts, args.completion_len, args.prompt_len)
+    # --vary-lengths K: the updates cycle through K completion lengths (completion_len, -1, ...), as a
+    # run's batches do; a CUDA-graph arm records a graph the first time it meets each shape
+    batches = [make_batch(args.prompts, args.completion_len - k, args.prompt_len) for k in range(args.vary_lengths)]
+    batch = batches[0]
     tokens = args.prompts * SAMPLES * (args.prompt_len + args.completion_len)
     times = []
     for i in range(args.repeats + 1):
         sync(args.device)
         start = time.perf_counter()
-        trainer.train_on(batch, step=i + 1)
+        update(trainer, batches[i % len(batches)], i + 1, arm)
         sync(args.device)
         times.append(time.perf_counter() - start)
     median = statistics.median(times[1:])
@@ -162,6 +184,7 @@ def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto")
         "prompts": args.prompts,
         "prompt_len": args.prompt_len,
         "completion_len": args.completion_len,
+        "vary_lengths": args.vary_lengths,
         "params": params,
         "seconds": times,
         "median_s": median,
@@ -176,7 +199,7 @@ def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto")
         flush=True,
     )
     if args.profile:
-        result["profile"] = prof = profile_update(trainer, batch, args.device, args.repeats + 2)
+        result["profile"] = prof = profile_update(trainer, batch, args.device, args.repeats + 2, arm)
         print(
             f"      profiled: wall {1e3 * prof['wall_s']:.1f} ms, GPU busy {1e3 * prof['gpu_busy_s']:.1f} ms "
             f"({prof['kernels']} kernels; {prof['kernel_launches']} launches, {prof['graph_launches']} graph "
@@ -206,6 +229,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--profile", action="store_true", help="one more update per arm under torch.profiler")
+    p.add_argument(
+        "--vary-lengths",
+        type=int,
+        default=1,
+        help="cycle the updates through this many completion lengths (completion-len, -1, ...); the profiled "
+        "update takes the first",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     results = []
