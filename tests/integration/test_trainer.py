@@ -3,12 +3,15 @@ mini-batches."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.config.loading import build_config
 from posttrain.errors import TrainingError
+from posttrain.models.tiny import make_tiny_moe_model
 from posttrain.policy.batching import PolicyBatch, build_policy_batch
 from posttrain.policy.logprobs import completion_logprobs
 from posttrain.policy.objective import grpo_objective
@@ -114,6 +117,75 @@ def test_auto_prefix_sharing_follows_prompt_and_completion_lengths(tiny_model_di
     )
     trainer = PolicyTrainer(_load(tiny_model_dir), forced, objective=grpo_objective(forced), pad_id=2)
     assert trainer._decide_sharing(long_prompts)
+
+
+def _longer(batch: TrainBatch) -> TrainBatch:
+    """``batch`` with every prompt one token and every completion three tokens longer."""
+    comps = [[*c, 40, 41, 42] for c in batch.completion_ids]
+    return TrainBatch(
+        [[*p, 7] for p in batch.prompt_ids],
+        comps,
+        batch.advantages_B,
+        batch.in_loss_B,
+        [[-1.0] * len(c) for c in comps],
+        batch.group_size,
+    )
+
+
+def _two_updates(model_dir: str, compile_layers: bool) -> tuple[torch.nn.Module, list[float], list[int]]:
+    """Two updates of a fresh trainer, the second at longer lengths: the model, both losses and the
+    number of graphs dynamo had compiled after each (its own tally; no public counter exists)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    cfg = build_config(
+        None,
+        [
+            "rl.batch_per_replica=16",
+            "rl.group_size=4",
+            "rl.optimizer.lr=1e-3",
+            "rl.micro_batch_per_replica=8",  # two micro-batches, each padded to its own length
+            "model.share_prompt_prefix=false",
+            f"model.compile={str(compile_layers).lower()}",
+        ],
+    )
+    model = _load(model_dir)
+    trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=2)
+    losses, graphs = [], []
+    for step, batch in enumerate((_batch(), _longer(_batch())), start=1):
+        losses.append(trainer.train_on(batch, step=step)["train/loss_avg"])
+        graphs.append(counters["stats"]["unique_graphs"])
+    return model, losses, graphs
+
+
+def test_compiled_layers_train_like_eager_and_do_not_recompile(tiny_model_dir: str) -> None:
+    """``model.compile=true`` (each decoder layer compiled with dynamic shapes): two updates whose
+    prompt and completion lengths differ give the eager run's weights and losses, and the second
+    update, at new lengths, compiles no new graph."""
+    eager, eager_losses, eager_graphs = _two_updates(tiny_model_dir, compile_layers=False)
+    compiled, compiled_losses, graphs = _two_updates(tiny_model_dir, compile_layers=True)
+    assert eager_graphs == [0, 0]
+    assert all(layer._compiled_call_impl is not None for layer in compiled.model.layers)
+    assert graphs[0] >= 1 and graphs[1] == graphs[0], f"graphs compiled after each update: {graphs}"
+    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    assert compiled_losses == pytest.approx(eager_losses, abs=1e-5)
+
+
+def test_compiled_moe_layers_train_like_eager(tmp_path: Path, smollm2_tokenizer_dir: str) -> None:
+    """The same for a sparse Qwen3-MoE policy (without routing replay, which refuses
+    ``model.compile``). On the CPU, transformers' fallback grouped matrix product has a
+    data-dependent size that inductor cannot compile, so dynamo breaks the graph there: the
+    weights must still come out as eager's, and each layer is still compiled around it."""
+    model_dir = make_tiny_moe_model(str(tmp_path / "moe"), smollm2_tokenizer_dir)
+    eager, eager_losses, _ = _two_updates(model_dir, compile_layers=False)
+    compiled, compiled_losses, graphs = _two_updates(model_dir, compile_layers=True)
+    assert all(layer._compiled_call_impl is not None for layer in compiled.model.layers) and graphs[0] >= 1
+    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    assert compiled_losses == pytest.approx(eager_losses, abs=1e-5)
 
 
 def test_mini_batches_take_several_steps_and_pass_the_probe(tiny_model_dir: str) -> None:
