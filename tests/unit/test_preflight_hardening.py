@@ -197,6 +197,20 @@ def test_bad_override_values_are_named_config_errors(raw: str, needles: list[str
         assert needle in problem, problem
 
 
+@pytest.mark.parametrize(
+    ("override", "want"),
+    [
+        ("rl.optimizer.betas=[0.9]", "rl.optimizer.betas=[0.9]: too few values (none at position 1, counting from 0)"),
+        ("rl.optimizer.betas=[]", "rl.optimizer.betas=[]: too few values (none at positions 0, 1, counting from 0)"),
+    ],
+)
+def test_a_tuple_given_too_few_values_is_named_by_its_key(override: str, want: str) -> None:
+    """Pydantic reports a short fixed-length tuple as a missing field named by index (betas.1)."""
+    with pytest.raises(ConfigError) as info:
+        build_config(None, [override])
+    assert info.value.problems == [want]
+
+
 def test_unreadable_invalid_and_refused_overrides_are_reported_together(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

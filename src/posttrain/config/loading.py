@@ -421,14 +421,26 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel] = GRPOC
     recipe assigned one field of a section (the error then names only the field)."""
     prefix = _section_prefixes(model).get(exc.title, "")
     lines = []
+    short: dict[str, tuple[int, Any, list[int]]] = {}  # tuple key -> (its line, value, missing positions)
     for err in exc.errors():
         loc = prefix + ".".join(str(part) for part in err["loc"])
         if err["type"] in ("extra_forbidden", "no_such_attribute"):
             lines.append(_unknown_key_message(loc, model))
             continue
         value = err.get("input")
+        if err["type"] == "missing" and err["loc"] and isinstance(err["loc"][-1], int):
+            # a fixed-length tuple given too few values: pydantic names each missing index as a field
+            key = loc.rsplit(".", 1)[0]
+            if key not in short:
+                short[key] = (len(lines), value, [])
+                lines.append("")
+            short[key][2].append(err["loc"][-1])
+            continue
         value_text = "{...}" if isinstance(value, dict) else shown(value)
         lines.append(f"{loc}={value_text}: {_message(err)}{_value_hint(err)}")
+    for key, (line, value, missing) in short.items():
+        where = f"position{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+        lines[line] = f"{key}={shown(value)}: too few values (none at {where}, counting from 0)"
     return lines
 
 
