@@ -98,11 +98,9 @@ class ModelConfig(Section):
     not to batches that ``share_prompt_prefix`` runs once per group. Gains grow with the spread of
     lengths; with all sequences equally long there is nothing to remove."""
     compile: bool = False
-    """``torch.compile`` each decoder layer (dynamic shapes) for the policy update. On one H200 the
-    update of 256 x 300 tokens takes 28 % less time at 0.4B and 23 % less at 1.5B, for ~10 s more on
-    the first step (docs/benchmarks.md); off by default for short jobs. Meant for ``rollout.backend=vllm``.
-    Refused for vision-language policies and with routing replay; a sparse MoE layer compiles (on the
-    CPU with a graph break at transformers' fallback grouped matrix product)."""
+    """``torch.compile`` each decoder layer (dynamic shapes) for the update: on one H200 it takes 28 % less
+    time at 0.4B, 23 % at 1.5B, for ~10 s on the first step (docs/benchmarks.md); off for short jobs. For
+    ``rollout.backend=vllm``; refused for vision-language policies and with routing replay."""
     logprob_chunk_tokens: int = Field(1024, ge=16)
     """Tokens per chunk when computing per-token logprobs; bounds the fp32 [tokens, vocab] buffer."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
