@@ -83,12 +83,12 @@ def growth_table(r: Path) -> str:
                 ("128, max_num_seqs 512", "p128_seqs512"),
                 (256, "w/p256"),
             ],
-            {32: "trl_w", 128: "trl_p128"},
+            {8: "trl_p8", 32: "trl_w", 64: "trl_p64", 128: "trl_p128", 256: "trl_p256"},
         ),
         (
             "completion tokens (32 x 8)",
             [(64, "w/t64"), (256, "w/seeded_first"), (1024, "w/t1024"), (2048, "w/t2048")],
-            {256: "trl_w", 1024: "trl_t1024"},
+            {64: "trl_t64", 256: "trl_w", 1024: "trl_t1024", 2048: "trl_t2048"},
         ),
         (
             "model (W's batch)",

@@ -18,6 +18,8 @@
 #   seqs   ours at 1,024 and 2,048 tokens (own process), and at 128 prompts with vLLM's max_num_seqs
 #          at its CUDA-graph capture size (512; the growth table's jump past 512 sequences)
 #   trl    TRL at the growth grid's corners (128 prompts; 1,024 tokens)
+#   trlgrid  TRL at the growth grid's other small points (8 and 64 prompts; 64 tokens)
+#   trl256, trl2048  TRL at the growth grid's two largest points (256 prompts; 2,048 tokens), a call each
 #   trl135 the 135M shape, ours and TRL
 #   share  model.share_prompt_prefix shared against plain: the update alone over sizes, the small job
 #   sharecheck  the update on either side of auto's GPU thresholds; the small job as shipped and TRL's
@@ -160,6 +162,23 @@ case "${1:-}" in
     trl p128 250 /tmp/m05 32,32,256
     trl t1024 250 /tmp/m05 16,16,1024
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  trlgrid)
+    environment
+    model 0.5b /tmp/m05
+    trl p8 170 /tmp/m05 32,2,256
+    trl p64 230 /tmp/m05 32,16,256
+    trl t64 170 /tmp/m05 32,8,64
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  trl256)
+    environment
+    model 0.5b /tmp/m05
+    trl p256 560 /tmp/m05 32,64,256
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  trl2048)
+    environment
+    model 0.5b /tmp/m05
+    trl t2048 560 /tmp/m05 4,64,2048
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   seqs)
     environment
     model 0.5b /tmp/m05
@@ -271,6 +290,6 @@ case "${1:-}" in
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)
-    for part in ours more small seqs trl trl135 share sharecheck big probe tests launch largest graphs table; do bash "$0" "$part"; done ;;
+    for part in ours more small seqs trl trlgrid trl256 trl2048 trl135 share sharecheck big probe tests launch largest graphs table; do bash "$0" "$part"; done ;;
   *) sed -n 2,33p "$0"; exit 2 ;;
 esac
