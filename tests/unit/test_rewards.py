@@ -234,6 +234,11 @@ def test_unknown_reward_lists_the_known_names() -> None:
         assert name in message
 
 
+def test_rewards_joined_by_a_comma_are_shown_as_the_list_they_mean() -> None:
+    with pytest.raises(ValueError, match=r"several rewards are a list: rl.reward=\[arithmetic,exact_match\]"):
+        get_reward("arithmetic, exact_match")
+
+
 def test_registering_a_name_twice_fails() -> None:
     from posttrain.rewards import registry
 

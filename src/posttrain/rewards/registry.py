@@ -173,6 +173,8 @@ def _resolve(name: str) -> Reward:
         return _REGISTRY[name]
     close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
+    if "," in name:  # several rewards written as one string: they are a list
+        hint = f" (several rewards are a list: rl.reward=[{name.replace(' ', '')}])"
     raise ValueError(
         f"rl.reward: unknown reward {name!r}{hint}; known rewards: {', '.join(known_rewards())}; "
         "or give a custom scorer as 'module:function'"
