@@ -492,6 +492,22 @@ def test_preflight_rejects_both_spellings_and_guards_a_tiny_literal() -> None:
         assert findings.errors == [] and not any("min_informative_groups" in w for w in findings.warnings)
 
 
+def test_groups_of_one_completion_are_guarded_and_never_meet_a_quota() -> None:
+    """rl.group_size=1 gives every GRPO advantage 0: a recipe-guard warning (an error under
+    recipe_guard_severity=error), and an error with dynamic sampling, whose quota can never be met."""
+    layout = ["rl.batch_per_replica=4", "rl.group_size=1"]
+    warned = preflight(build_config(None, layout))
+    assert warned.errors == []
+    (guard,) = [w for w in warned.warnings if "rl.group_size=1" in w]
+    assert guard.startswith("recipe guard") and "advantage is 0" in guard, guard
+    refused = preflight(build_config(None, [*layout, "rl.recipe_guard_severity=error"]))
+    assert any(e.startswith("recipe guard: rl.group_size=1") for e in refused.errors), refused.errors
+    quota = preflight(build_config(None, [*layout, "rl.min_informative_groups_frac=1.0"]))
+    assert any("quota can never be met" in e and "rl.group_size=1" in e for e in quota.errors), quota.errors
+    two = preflight(build_config(None, ["rl.batch_per_replica=4", "rl.group_size=2", "rl.recipe_guard_severity=error"]))
+    assert not any("group_size" in m for m in [*two.errors, *two.warnings])
+
+
 def test_config_drives_the_driver_and_the_log_line() -> None:
     cfg = build_config(
         None,

@@ -61,7 +61,8 @@ def check_objective(cfg: GRPOConfig, out: Findings) -> None:
 
 
 def check_dynamic_sampling(cfg: GRPOConfig, out: Findings) -> None:
-    """The DAPO quota: one spelling at a time, within the batch, and not a quietly tiny floor."""
+    """The DAPO quota: one spelling at a time, within the batch, and not a quietly tiny floor; and
+    groups of one completion, which never carry an advantage."""
     rl = cfg.rl
     if rl.min_informative_groups is not None and rl.min_informative_groups_frac is not None:
         out.errors.append(
@@ -70,6 +71,18 @@ def check_dynamic_sampling(cfg: GRPOConfig, out: Findings) -> None:
         )
         return
     quota, groups = rl.effective_min_informative_groups, rl.groups_per_step
+    if rl.group_size == 1:
+        if quota > 0:
+            out.errors.append(
+                f"dynamic sampling (a quota of {quota} informative group(s)) with rl.group_size=1: a group of one "
+                "completion never has a reward spread, so the quota can never be met; use rl.group_size >= 2"
+            )
+            return
+        out.guard(
+            "rl.group_size=1: each group holds one completion, so every group-relative advantage is 0 and only "
+            "the KL term (rl.kl_beta) can move the policy; sample at least 2 completions per prompt",
+            rl.recipe_guard_severity,
+        )
     if quota > groups:
         out.errors.append(
             f"rl.min_informative_groups={quota} exceeds groups_per_step={groups} "
