@@ -70,6 +70,16 @@ trl() {  # NAME TIMEOUT MODEL B,GA,L: TRL's GRPOTrainer (vLLM colocated at 0.3) 
   echo "trl_$name rc=$?"; [ -s "$R/trl_$name/trl_vllm.json" ] && cp "$R/trl_$name/trl_vllm.json" "$R/trl_$name.json"
   grep -E "^TRL step" "$R/trl_$name.log" | tail -4 | cut -c1-200
 }
+trl_points() {  # NAME:TIMEOUT:B,GA,L ...: TRL on the 0.4B shape at each growth point, then everything packed
+  local spec name limit bgl
+  environment
+  model 0.5b /tmp/m05
+  for spec in "$@"; do
+    IFS=: read -r name limit bgl <<<"$spec"
+    trl "$name" "$limit" /tmp/m05 "$bgl"
+  done
+  tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+}
 share_sweep() {  # SHARES SPEC...: the update alone per model.share_prompt_prefix value (SHARES, e.g.
   # on,off), each SPEC shape:prompts:prompt_len:completion_len:micro_batch
   local shares=$1 spec shape prompts plen tlen micro; shift
@@ -156,29 +166,10 @@ case "${1:-}" in
     # the same small job with compiled decoder layers (model.compile: ~15 s once, then a faster update)
     small_job small_compiled 170 model.compile=true
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
-  trl)
-    environment
-    model 0.5b /tmp/m05
-    trl p128 250 /tmp/m05 32,32,256
-    trl t1024 250 /tmp/m05 16,16,1024
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
-  trlgrid)
-    environment
-    model 0.5b /tmp/m05
-    trl p8 170 /tmp/m05 32,2,256
-    trl p64 230 /tmp/m05 32,16,256
-    trl t64 170 /tmp/m05 32,8,64
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
-  trl256)
-    environment
-    model 0.5b /tmp/m05
-    trl p256 560 /tmp/m05 32,64,256
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
-  trl2048)
-    environment
-    model 0.5b /tmp/m05
-    trl t2048 560 /tmp/m05 4,64,2048
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  trl) trl_points p128:250:32,32,256 t1024:250:16,16,1024 ;;
+  trlgrid) trl_points p8:170:32,2,256 p64:230:32,16,256 t64:170:32,8,64 ;;
+  trl256) trl_points p256:560:32,64,256 ;;
+  trl2048) trl_points t2048:560:4,64,2048 ;;
   seqs)
     environment
     model 0.5b /tmp/m05
