@@ -166,7 +166,7 @@ def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto")
     # run's batches do; a CUDA-graph arm records a graph the first time it meets each shape
     batches = [make_batch(args.prompts, args.completion_len - k, args.prompt_len) for k in range(args.vary_lengths)]
     batch = batches[0]
-    tokens = args.prompts * SAMPLES * (args.prompt_len + args.completion_len)
+    tokens = args.prompts * SAMPLES * (args.prompt_len + args.completion_len - (len(batches) - 1) / 2)  # their mean
     times = []
     for i in range(args.repeats + 1):
         sync(args.device)

@@ -160,6 +160,13 @@ def _two_updates(model_dir: str, compile_layers: bool) -> tuple[torch.nn.Module,
     return model, losses, graphs
 
 
+def _assert_trained_alike(a: torch.nn.Module, a_losses: list[float], b: torch.nn.Module, b_losses: list[float]) -> None:
+    """The same weights up to float summation order (the invariance tests' bound) and the same losses."""
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, atol=2e-5, rtol=1e-4)
+    assert b_losses == pytest.approx(a_losses, abs=1e-5)
+
+
 def test_compiled_layers_train_like_eager_and_do_not_recompile(tiny_model_dir: str) -> None:
     """``model.compile=true`` (each decoder layer compiled with dynamic shapes): two updates whose
     prompt and completion lengths differ give the eager run's weights and losses, and the second
@@ -169,9 +176,7 @@ def test_compiled_layers_train_like_eager_and_do_not_recompile(tiny_model_dir: s
     assert eager_graphs == [0, 0]
     assert all(layer._compiled_call_impl is not None for layer in compiled.model.layers)
     assert graphs[0] >= 1 and graphs[1] == graphs[0], f"graphs compiled after each update: {graphs}"
-    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
-    assert compiled_losses == pytest.approx(eager_losses, abs=1e-5)
+    _assert_trained_alike(eager, eager_losses, compiled, compiled_losses)
 
 
 def test_compiled_moe_layers_train_like_eager(tmp_path: Path, smollm2_tokenizer_dir: str) -> None:
@@ -183,9 +188,7 @@ def test_compiled_moe_layers_train_like_eager(tmp_path: Path, smollm2_tokenizer_
     eager, eager_losses, _ = _two_updates(model_dir, compile_layers=False)
     compiled, compiled_losses, graphs = _two_updates(model_dir, compile_layers=True)
     assert all(layer._compiled_call_impl is not None for layer in compiled.model.layers) and graphs[0] >= 1
-    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
-    assert compiled_losses == pytest.approx(eager_losses, abs=1e-5)
+    _assert_trained_alike(eager, eager_losses, compiled, compiled_losses)
 
 
 def test_mini_batches_take_several_steps_and_pass_the_probe(tiny_model_dir: str) -> None:
