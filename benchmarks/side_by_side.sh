@@ -39,6 +39,8 @@
 #          13-20 ms of a 0.10-0.16 s update, and per-layer graphs 17x slower: pending backwards keep
 #          CUDA-graph trees off their fast path), beside the body compiled without graphs (135M); then
 #          with three completion lengths in turn, as a run's batches change (a graph recorded per shape)
+#   sharelong  the default recipe's job with a ~1,000-token system message, share_prompt_prefix=auto (shares
+#          on a GPU at that length) against false
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -278,9 +280,20 @@ case "${1:-}" in
     done
     small_job small_shipped 170
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  sharelong)
+    # model.share_prompt_prefix=auto as a user meets it with long prompts: the default recipe with a
+    # system message of 991 tokens before every prompt (16-token completions), so on a GPU auto
+    # shares (policy/shared_prefix.sharing_pays: prompts >= 512 tokens and >= 2x the completions);
+    # then the same job on the plain path
+    environment
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    rules=$(python3 -c "print(' '.join(f'Rule {i}: read the problem carefully, work it out step by step, and answer with the final integer only.' for i in range(1, 41)))")
+    small_job long_auto 170 "rl.data.system_prompt='$rules'"
+    small_job long_plain 170 "rl.data.system_prompt='$rules'" model.share_prompt_prefix=false
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)
-    for part in ours more small seqs trl trlgrid trl256 trl2048 trl135 share sharecheck big probe tests launch largest graphs table; do bash "$0" "$part"; done ;;
+    for part in ours more small seqs trl trlgrid trl256 trl2048 trl135 share sharecheck big probe tests launch largest graphs sharelong table; do bash "$0" "$part"; done ;;
   *) sed -n 2,33p "$0"; exit 2 ;;
 esac
