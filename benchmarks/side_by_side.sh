@@ -70,11 +70,12 @@ trl() {  # NAME TIMEOUT MODEL B,GA,L: TRL's GRPOTrainer (vLLM colocated at 0.3) 
   mkdir -p "$R/trl_$name" && OUT="$R/trl_$name" TRL_BGL=$bgl timeout "$limit" python3 "$PEERS/trl_grpo_gpu_step.py" \
     "$model" vllm >"$R/trl_$name.log" 2>&1
   echo "trl_$name rc=$?"; [ -s "$R/trl_$name/trl_vllm.json" ] && cp "$R/trl_$name/trl_vllm.json" "$R/trl_$name.json"
-  grep -E "^TRL step" "$R/trl_$name.log" | tail -4 | cut -c1-200
+  grep -o '"median_step_s_2to4": [0-9.]*' "$R/trl_$name.log" | tail -1
 }
 trl_points() {  # NAME:TIMEOUT:B,GA,L ...: TRL on the 0.4B shape at each growth point, then everything packed
   local spec name limit bgl
   environment
+  device_info
   model 0.5b /tmp/m05
   for spec in "$@"; do
     IFS=: read -r name limit bgl <<<"$spec"
@@ -118,6 +119,13 @@ environment() {
   export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache
   export VLLM_WORKER_MULTIPROC_METHOD=spawn POSTTRAIN_OUTPUT_ROOT=/tmp/runs
 }
+device_info() {  # the GPU, the host's CPU (host-bound figures move with it: TRL's W step took 6.2 s on one
+  # lease and 3.3 s on another) and the library versions, into $R/device.txt
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //') x $(nproc); load $(cut -d' ' -f1-3 /proc/loadavg)"
+    python3 -c 'import torch, transformers, vllm, trl; print("torch", torch.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__, "trl", trl.__version__)' 2>&1 | tail -1
+  } | tee "$R/device.txt"
+}
 model() {  # SHAPE DIR: a random-weight model of that shape (benchmarks/make_random_model.py), once;
   # written aside and renamed, so a caller never finds half of one (one is made in the background)
   while [ ! -e "$2/config.json" ] && pgrep -f "make_random_model.py .* $2.tmp" >/dev/null; do sleep 2; done
@@ -140,8 +148,7 @@ case "${1:-}" in
     mkdir -p /tmp/vparts && cp .vx/part* /tmp/vparts/ && ls /tmp/vparts ;;
   ours)
     environment
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
-    python3 -c 'import torch, transformers, vllm, trl; print("torch", torch.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__, "trl", trl.__version__)' 2>&1 | tail -1 | tee -a "$R/device.txt"
+    device_info
     model 0.5b /tmp/m05
     (model 1.5b /tmp/m15 &)  # for `more`, meanwhile
     step w "${W_TIMEOUT:-530}" --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --arms "$W_ARMS;$GROWTH_ARMS;$COMPILED_ARM" \
@@ -185,8 +192,7 @@ case "${1:-}" in
     # then W's generation alone (bare vLLM requests against posttrain's, profiled: grpo_step.py
     # --gen-probe); then 128 prompts and W with CUDA graphs captured up to 1,024 sequences
     environment
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
-    python3 -c 'import torch, transformers, vllm, trl; print("torch", torch.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__, "trl", trl.__version__)' 2>&1 | tail -1 | tee -a "$R/device.txt"
+    device_info
     model 0.5b /tmp/m05
     (model 135m /tmp/m135 &)  # for `trl135`, meanwhile
     step probe 330 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --gen-probe --out-dir "$R/probe" \
@@ -212,7 +218,7 @@ case "${1:-}" in
     # batch sizes (update_precision.py --share on,off), then the default recipe's small job as
     # shipped (auto) and with the plain path (share_prompt_prefix=false), one after the other
     environment
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    device_info
     share_sweep on,off 135m:4:44:16:32 135m:32:44:16:256 135m:32:256:64:64 0.5b:8:256:16:64 0.5b:32:256:64:64 \
       0.5b:32:1024:64:32
     small_job small_auto 150 model.share_prompt_prefix=auto
@@ -224,7 +230,7 @@ case "${1:-}" in
     # 256-token completions), then the default recipe's small job as shipped (auto takes the plain
     # path there) and TRL's
     environment
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    device_info
     share_sweep on,off,auto 0.5b:32:512:64:64 0.5b:32:1024:256:32
     small_job small_rule 150
     trl_small
@@ -246,7 +252,7 @@ case "${1:-}" in
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   largest)
     environment
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    device_info
     model 3b /tmp/m3b
     step w3b 240 --model /tmp/m3b --micro-batch 8 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
       --out "$R/w3b.json"
@@ -255,7 +261,7 @@ case "${1:-}" in
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   graphs)
     environment
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    device_info
     mkdir -p "$R/graphs_update"
     # fixed shapes (one recording, then replays), then three completion lengths in turn as a run's
     # batches change (a recording per new shape: does it then replay?)
@@ -270,7 +276,7 @@ case "${1:-}" in
     done ;;
   launch)
     environment
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    device_info
     mkdir -p "$R/launch"
     for shape in 135m tiny30; do
       timeout 150 python3 benchmarks/update_precision.py --shapes "$shape" --prompts 4 --completion-len 16 \
@@ -286,7 +292,7 @@ case "${1:-}" in
     # shares (policy/shared_prefix.sharing_pays: prompts >= 512 tokens and >= 2x the completions);
     # then the same job on the plain path
     environment
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
+    device_info
     rules=$(python3 -c "print(' '.join(f'Rule {i}: read the problem carefully, work it out step by step, and answer with the final integer only.' for i in range(1, 41)))")
     small_job long_auto 170 "rl.data.system_prompt='$rules'"
     small_job long_plain 170 "rl.data.system_prompt='$rules'" model.share_prompt_prefix=false

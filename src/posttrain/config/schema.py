@@ -86,9 +86,9 @@ class ModelConfig(Section):
     share_prompt_prefix: bool | Literal["auto"] = "auto"
     """Run each group's prompt once in the policy forward (its KV cache is shared by the group's
     completions); same gradient as running every prompt + completion. ``auto`` shares on a CPU when
-    a batch's mean prompt is at least its mean completion, on a GPU only when it is also >= 512
-    tokens and 2x the completion: smaller, the second pass costs more than it saves (one H200: 0.23
-    s shared vs 0.11 s plain on the default recipe's update; docs/benchmarks.md)."""
+    a batch's mean prompt is at least its mean completion, on a GPU only when it is also >= 512 tokens
+    and 2x the completion: smaller, the second pass costs more than it saves (one H200, default recipe:
+    update 0.23 s shared, 0.11 plain; 991-token prompts: step 0.19 s shared, 0.25 plain; docs/benchmarks.md)."""
     sequence_packing: bool = False
     """Pack each micro-batch's sequences end to end into as few rows as hold them (each as wide as
     its longest sequence) instead of one right-padded row per sequence, so the update computes
@@ -98,9 +98,9 @@ class ModelConfig(Section):
     not to batches that ``share_prompt_prefix`` runs once per group. Gains grow with the spread of
     lengths; with all sequences equally long there is nothing to remove."""
     compile: bool = False
-    """``torch.compile`` each decoder layer (dynamic shapes) for the update: on one H200 it takes 28 % less
-    time at 0.4B, 23 % at 1.5B, for ~10 s on the first step (docs/benchmarks.md); off for short jobs. For
-    ``rollout.backend=vllm``; refused for vision-language policies and with routing replay."""
+    """``torch.compile`` each decoder layer (dynamic shapes) for the update: on one H200 28 % less time at 0.4B,
+    23 % at 1.5B, for 5-10 s on the first step; off for short jobs, and ``share_prompt_prefix=auto`` then never
+    shares (docs/benchmarks.md). For ``rollout.backend=vllm``; refused for vision-language and routing replay."""
     logprob_chunk_tokens: int = Field(1024, ge=16)
     """Tokens per chunk when computing per-token logprobs; bounds the fp32 [tokens, vocab] buffer."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
