@@ -41,6 +41,8 @@
 #          with three completion lengths in turn, as a run's batches change (a graph recorded per shape)
 #   sharelong  the default recipe's job with a ~1,000-token system message, share_prompt_prefix=auto (shares
 #          on a GPU at that length) against false
+#   mps    one-step off-policy (engine core apart, compiled) without and with CUDA MPS, whose kernels
+#          from two processes run side by side instead of in time slices; then W compiled under MPS
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -297,9 +299,31 @@ case "${1:-}" in
     small_job long_auto 170 "rl.data.system_prompt='$rules'"
     small_job long_plain 170 "rl.data.system_prompt='$rules'" model.share_prompt_prefix=false
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  mps)
+    # one-step off-policy with the engine core apart, without and with CUDA MPS. Without MPS two
+    # processes on one GPU take turns in time slices, which would explain the update slowing from
+    # 0.59 to 1.17 s beside generation (eleventh session); MPS lets their kernels run side by side.
+    # The daemon is a user process (no GPU setting changes); it is told to quit on the way out.
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    OFF="--model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process --compile"
+    step w_offpolicy 170 $OFF --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy.json"
+    if command -v nvidia-cuda-mps-control >/dev/null; then
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      trap 'echo quit | nvidia-cuda-mps-control; cp -r /tmp/mps/log "$R/mps_log" 2>/dev/null' EXIT
+      nvidia-cuda-mps-control -d && echo "MPS daemon started"
+      step w_offpolicy_mps 170 $OFF --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy_mps.json"
+      step w_compiled_mps 120 --model /tmp/m05 --micro-batch 64 --steps 5 --compile \
+        --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_compiled_mps.json"
+    else
+      echo "no nvidia-cuda-mps-control on this machine"
+    fi
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)
-    for part in ours more small seqs trl trlgrid trl256 trl2048 trl135 share sharecheck big probe tests launch largest graphs sharelong table; do bash "$0" "$part"; done ;;
+    for part in ours more small seqs trl trlgrid trl256 trl2048 trl135 share sharecheck big probe tests launch largest graphs sharelong mps table; do bash "$0" "$part"; done ;;
   *) sed -n 2,33p "$0"; exit 2 ;;
 esac
