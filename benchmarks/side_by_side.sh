@@ -312,11 +312,13 @@ case "${1:-}" in
     if command -v nvidia-cuda-mps-control >/dev/null; then
       export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
       mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-      trap 'echo quit | nvidia-cuda-mps-control; cp -r /tmp/mps/log "$R/mps_log" 2>/dev/null' EXIT
+      trap 'echo quit | nvidia-cuda-mps-control' EXIT  # also when a step fails or the call runs out
       nvidia-cuda-mps-control -d && echo "MPS daemon started"
       step w_offpolicy_mps 170 $OFF --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy_mps.json"
       step w_compiled_mps 120 --model /tmp/m05 --micro-batch 64 --steps 5 --compile \
         --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_compiled_mps.json"
+      echo quit | nvidia-cuda-mps-control; trap - EXIT
+      cp -r /tmp/mps/log "$R/mps_log"
     else
       echo "no nvidia-cuda-mps-control on this machine"
     fi
