@@ -45,7 +45,12 @@ def _read_json(path: Path) -> Any:
 def max_positions(model_dir: Path) -> int | None:
     """The context length ``config.json`` declares (the text model's, for a multimodal config); None when
     the file is unreadable or declares none."""
-    config = _read_json(model_dir / "config.json")
+    return positions_in(_read_json(model_dir / "config.json"))
+
+
+def positions_in(config: Any) -> int | None:
+    """The context length a model config (``config.json``'s contents, or a loaded config's
+    ``to_dict()``) declares, the text model's for a multimodal one; None when it declares none."""
     for section in (config, config.get("text_config") if isinstance(config, dict) else None):
         if isinstance(section, dict):
             for key in _POSITION_KEYS:
@@ -77,6 +82,8 @@ class PromptBudget:
 
     max_positions: int
     max_tokens: int
+    context: str = "the model's context (max_position_embeddings={n})"
+    """How the limit is named in messages; ``{n}`` is ``max_positions``."""
 
     @property
     def limit(self) -> int:
@@ -84,10 +91,21 @@ class PromptBudget:
 
     def describe(self, tokens: int) -> str:
         return (
-            f"the prompt is {tokens} tokens, but the model's context (max_position_embeddings={self.max_positions}) "
+            f"the prompt is {tokens} tokens, but {self.context.format(n=self.max_positions)} "
             f"minus rollout.max_tokens={self.max_tokens} leaves {self.limit} for it; shorten or drop the row, or "
             "lower rollout.max_tokens"
         )
+
+
+def run_prompt_budget(model_config: Any, max_tokens: int, engine_max_len: int | None) -> PromptBudget | None:
+    """What a rendered prompt may take in a run: the loaded model's context, or the engine's smaller
+    ``rollout.max_model_len``, less ``rollout.max_tokens``; None when neither is known. The run checks
+    each rendered prompt against it before sampling (``loop.collect``): the preflight cannot count
+    prompts whose model is not on disk yet, or that a factory builds."""
+    positions = positions_in(model_config)
+    if engine_max_len is not None and (positions is None or engine_max_len < positions):
+        return PromptBudget(engine_max_len, max_tokens, "the engine's context (rollout.max_model_len={n})")
+    return None if positions is None else PromptBudget(positions, max_tokens)
 
 
 class PromptCounter:

@@ -18,7 +18,10 @@ from the ``datasets`` cache), with ``rl.data.items_fn`` applied, and reports, by
   embedded model once it has been converted on this machine; otherwise the check is skipped).
 
 A custom factory (``rl.data.factory``) runs user code and is checked when the source is built,
-at the start of the run, not here; the arithmetic generator's rows are valid by construction.
+at the start of the run, not here; the arithmetic generator's rows are valid by construction, but
+``rl.data.system_prompt`` can make them too long, so its longest question is counted. What no pass
+here can count (a factory's rows, a model not yet on disk) the run checks per rendered prompt
+(``loop.collect.check_prompt_lengths``).
 
 Cost, measured on this project's shared 2-core CPU machine (Python 3.11) with the SmolLM2 tokenizer
 and ``config.json`` present: a 1,000,000-row JSONL file of short string prompts (76 MB,
@@ -37,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from posttrain.data.base import PromptSample
-from posttrain.data.jsonl import ItemsFn, jsonl_lines, parse_jsonl_line, row_to_sample
+from posttrain.data.jsonl import ItemsFn, apply_system_prompt, jsonl_lines, parse_jsonl_line, row_to_sample
 from posttrain.data.prompt_length import PromptBudget, PromptCounter, max_positions
 from posttrain.data.table_source import missing_columns
 from posttrain.data.tables import RowTable, open_dataset_table, open_path_table
@@ -133,8 +136,10 @@ def _source_rows(cfg: RunConfig, problems: list[str]) -> tuple[Iterator[Row], st
     from posttrain.data.build import reads_jsonl, resolve_items_fn
 
     data = cfg.rl.data
+    if data.kind == "arithmetic":
+        return _longest_arithmetic_row(cfg), "the arithmetic generator"
     if data.kind not in ("jsonl", "file", "dataset"):
-        return None  # a factory runs user code (checked when built); arithmetic rows are valid by construction
+        return None  # a factory runs user code (checked when built)
     source = f"rl.data.path={data.path}" if data.path is not None else f"rl.data.name={data.name}"
     try:
         items_fn = resolve_items_fn(data)
@@ -149,6 +154,23 @@ def _source_rows(cfg: RunConfig, problems: list[str]) -> tuple[Iterator[Row], st
         problems.extend(missing)
         return None
     return _table_rows(table, cfg, items_fn), source
+
+
+def _longest_arithmetic_row(cfg: RunConfig) -> Iterator[Row]:
+    """The generator's rows are valid by construction except for their length, which
+    ``rl.data.system_prompt`` and ``arithmetic_template`` set: its longest question (the operand with
+    the most characters on both sides, the longest operator), which the length check then counts."""
+    from posttrain.data.arithmetic import arithmetic_problems
+
+    data = cfg.rl.data
+    ops = list(data.arithmetic_ops)
+    if arithmetic_problems(data.arithmetic_min, data.arithmetic_max, ops, data.arithmetic_template):
+        return  # the preflight's data check names these
+    operand = max((data.arithmetic_min, data.arithmetic_max), key=lambda v: len(str(v)))
+    question = data.arithmetic_template.format(a=operand, op=max(ops, key=len), b=operand)
+    prompt = apply_system_prompt(question, data.system_prompt)
+    sample = PromptSample(prompt=prompt, ground_truth=0, uid="arith:longest")  # only its length is in question
+    yield "rl.data (the arithmetic generator's longest question)", sample
 
 
 def _resolve_rewards(names: str | list[str]) -> list[Reward]:

@@ -21,8 +21,10 @@ import torch
 from posttrain.algorithm.advantages import group_advantages, group_reward_spread, informative_groups
 from posttrain.config.schema import GRPOConfig, RunConfig
 from posttrain.data.base import DataSource, PromptSample
+from posttrain.data.prompt_length import PromptBudget
 from posttrain.distributed.cells import Cells, cell_group_indices
 from posttrain.distributed.world import gather_objects, is_rank_zero, merge_rank_metrics
+from posttrain.errors import DataError
 from posttrain.loop.dynamic_sampling import DrawFn, ScoredGroup, collect_dynamic_for
 from posttrain.metrics.completions import CompletionsLog
 from posttrain.models.chat import render_prompt_ids
@@ -60,6 +62,8 @@ class Roles:
     tokenizer: Any
     vision: ImagePromptSampler | None = None
     """A vision-language policy's renderer and sampler (None: a text policy)."""
+    prompt_budget: PromptBudget | None = None
+    """The tokens a rendered prompt may take (the context less ``rollout.max_tokens``); None: unchecked."""
 
 
 def sampling_params(cfg: RunConfig, cell: int = 0) -> SamplingParams:
@@ -88,6 +92,7 @@ def render_and_generate(
     if roles.vision is not None:
         vision = roles.vision
         rendered = [vision.render(p.prompt, where=f"sample {p.uid}") for p in prompts]
+        check_prompt_lengths(roles.prompt_budget, prompts, [r.input_ids for r in rendered])
         return vision.generate(roles.engine, rendered, n, params), rendered
     prompt_ids = [
         render_prompt_ids(
@@ -98,7 +103,19 @@ def render_and_generate(
         )
         for p in prompts
     ]
+    check_prompt_lengths(roles.prompt_budget, prompts, prompt_ids)
     return roles.engine.generate(prompt_ids, n, params), None
+
+
+def check_prompt_lengths(budget: PromptBudget | None, prompts: list[PromptSample], ids: list[list[int]]) -> None:
+    """Refuse, by sample, a rendered prompt that leaves no room for ``rollout.max_tokens`` in the
+    context: engines either refuse it in their own words (vLLM) or sample past the positions the
+    model was trained on without a word (transformers)."""
+    if budget is None:
+        return
+    for sample, prompt_ids in zip(prompts, ids, strict=True):
+        if len(prompt_ids) > budget.limit:
+            raise DataError(f"sample {sample.uid}: {budget.describe(len(prompt_ids))}")
 
 
 def generate_and_score(
