@@ -87,7 +87,7 @@ def test_the_preflight_counts_the_arithmetic_generators_longest_question(
     found = re.fullmatch(
         r"rl\.data \(the arithmetic generator's longest question\) \(sample arith:longest\): the prompt is (\d+) "
         rf"tokens, but the model's context \(max_position_embeddings={CONTEXT}\) minus rollout\.max_tokens=8000 "
-        r"leaves 192 for it; shorten or drop the row, or lower rollout\.max_tokens",
+        r"leaves 192 for it; shorten rl\.data\.system_prompt or arithmetic_template, or lower rollout\.max_tokens",
         problems[0],
     )
     assert found, problems[0]

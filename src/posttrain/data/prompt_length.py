@@ -89,10 +89,10 @@ class PromptBudget:
     def limit(self) -> int:
         return self.max_positions - self.max_tokens
 
-    def describe(self, tokens: int) -> str:
+    def describe(self, tokens: int, remedy: str = "shorten or drop the row") -> str:
         return (
             f"the prompt is {tokens} tokens, but {self.context.format(n=self.max_positions)} "
-            f"minus rollout.max_tokens={self.max_tokens} leaves {self.limit} for it; shorten or drop the row, or "
+            f"minus rollout.max_tokens={self.max_tokens} leaves {self.limit} for it; {remedy}, or "
             "lower rollout.max_tokens"
         )
 

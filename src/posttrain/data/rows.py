@@ -248,7 +248,9 @@ def _check_sample(
         except Exception as exc:  # a chat template that raises (raise_exception) fails the same way in the run
             return f"{where}: the chat template of model.name_or_path={lengths.model} refuses this prompt: {exc}"
         if tokens is not None:
-            return f"{where} (sample {sample.uid}): {lengths.budget.describe(tokens)}"
+            arithmetic = data.kind == "arithmetic"
+            remedy = "shorten rl.data.system_prompt or arithmetic_template" if arithmetic else "shorten or drop the row"
+            return f"{where} (sample {sample.uid}): {lengths.budget.describe(tokens, remedy)}"
     return None
 
 
