@@ -700,3 +700,25 @@ def test_a_reward_module_raising_anything_is_named(tmp_path: Path, monkeypatch: 
     monkeypatch.syspath_prepend(str(tmp_path))
     errors = _errors(["rl.reward=odd_reward:score"])
     assert any(e.startswith("rl.reward=odd_reward:score") and "RuntimeError('nope')" in e for e in errors), errors
+
+
+def test_rollout_max_model_len_must_hold_a_prompt_and_is_read_by_vllm_only() -> None:
+    from posttrain.preflight.common import check_engine_context
+    from posttrain.preflight.findings import Findings
+
+    def findings(*overrides: str) -> Findings:
+        out = Findings()
+        check_engine_context(build_config(None, list(overrides)), out)
+        return out
+
+    full = findings("rollout.backend=vllm", "rollout.max_model_len=64", "rollout.max_tokens=64")
+    assert full.errors == [
+        "rollout.max_model_len=64 leaves no room for a prompt beside rollout.max_tokens=64; "
+        "raise rollout.max_model_len or lower rollout.max_tokens"
+    ]
+    roomy = findings("rollout.backend=vllm", "rollout.max_model_len=65", "rollout.max_tokens=64")
+    assert (roomy.errors, roomy.warnings) == ([], [])
+    ignored = findings("rollout.backend=hf", "rollout.max_model_len=64", "rollout.max_tokens=64")
+    assert ignored.errors == []
+    assert ignored.warnings == ["rollout.max_model_len=64 sets vLLM's context; rollout.backend=hf ignores it"]
+    assert any("rollout.max_model_len" in p for p in _config_problems(["rollout.max_model_len=0"]))

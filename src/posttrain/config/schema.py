@@ -161,8 +161,8 @@ class RolloutConfig(Section):
     """GPU fraction reserved for a colocated vLLM engine."""
     tensor_parallel_size: int = Field(1, ge=1)
     """vLLM tensor-parallel width (must equal ROLLOUT_RANKS of ``grid.shapes.rollout``)."""
-    max_model_len: int | None = None
-    """vLLM context length (prompt plus completion); ``null`` = the model's own limit."""
+    max_model_len: int | None = Field(None, ge=16)
+    """vLLM context length (prompt plus completion: more than ``max_tokens``); ``null`` = the model's own."""
     enforce_eager: bool = False
     """vLLM: skip CUDA-graph capture (faster start, slower decode)."""
     cudagraph_capture_max: int | None = Field(None, ge=1)

@@ -147,8 +147,25 @@ def check_rollout_backend(cfg: RunConfig, out: Findings) -> None:
                     f"rollout.backend=vllm reports temperature-{ro.temperature} logprobs only without warping: "
                     "set rollout.temperature=1, or rollout.top_p=1, rollout.top_k=-1, rollout.repetition_penalty=1"
                 )
+    check_engine_context(cfg, out)
     check_separate_engine_process(cfg, out)
     check_weight_sync(cfg, out)
+
+
+def check_engine_context(cfg: RunConfig, out: Findings) -> None:
+    """``rollout.max_model_len`` holds prompt and completion; vLLM alone reads it."""
+    ro = cfg.rollout
+    if ro.max_model_len is None:
+        return
+    if ro.backend != "vllm":
+        out.warnings.append(
+            f"rollout.max_model_len={ro.max_model_len} sets vLLM's context; rollout.backend={ro.backend} ignores it"
+        )
+    elif ro.max_model_len <= ro.max_tokens:
+        out.errors.append(
+            f"rollout.max_model_len={ro.max_model_len} leaves no room for a prompt beside "
+            f"rollout.max_tokens={ro.max_tokens}; raise rollout.max_model_len or lower rollout.max_tokens"
+        )
 
 
 def check_separate_engine_process(cfg: RunConfig, out: Findings) -> None:
