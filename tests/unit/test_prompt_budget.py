@@ -96,3 +96,18 @@ def test_the_preflight_counts_the_arithmetic_generators_longest_question(
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     ids = render_prompt_ids(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir), messages, use_chat_template=True)
     assert int(found.group(1)) == len(ids)
+
+
+@pytest.mark.parametrize("template", ["{op:d} {a} {b}", "{a:>100000000} + {b}", "{a:{b}}", "{"])
+def test_a_template_the_generator_cannot_fill_is_left_to_its_own_check(model_dir: Path, template: str) -> None:
+    from posttrain.preflight.grpo import grpo_preflight
+
+    overrides = [
+        f"model.name_or_path={model_dir}",
+        "rl.data.system_prompt=Be brief.",
+        f"rl.data.arithmetic_template='{template}'",
+    ]
+    cfg = build_config(None, overrides)
+    assert check_rows(cfg) == []  # not formatted here (a width of 1e8 would build a 100 MB string)
+    errors = grpo_preflight(cfg).errors
+    assert len([e for e in errors if e.startswith("rl.data.arithmetic_template")]) == 1, errors

@@ -7,6 +7,7 @@ sample can be regenerated on its own, and the cursor is just the next index.
 from __future__ import annotations
 
 import random
+import re
 import string
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,36 @@ def arithmetic_problems(min_operand: int, max_operand: int, ops: Sequence[str], 
                 f"are filled in: {template!r}"
             )
     return problems
+
+
+# Largest width or precision the arithmetic template may ask for: formatting it must stay cheap.
+TEMPLATE_MAX_WIDTH = 1000
+
+
+def _too_wide(digits: str) -> bool:
+    # Length first: int() of a few thousand digits is slow, and past 4300 refused.
+    return len(digits.lstrip("0")) > len(str(TEMPLATE_MAX_WIDTH)) or int(digits) > TEMPLATE_MAX_WIDTH
+
+
+def template_format_problem(template: str, op: str, a: int, b: int) -> str | None:
+    """Why formatting ``template`` with ints ``a``, ``b`` and the operator string ``op`` fails, or
+    None: a format spec that does not fit them (``{op:d}``, ``{a:s}``, ``{a!z}``) would otherwise
+    fail at the first draw after the model loaded. Widths and nested fields are refused before
+    anything is formatted: ``{a:>1000000000}`` would build a gigabyte string. A template that is not
+    a format string at all is ``arithmetic_problems``' to report (None here)."""
+    try:
+        specs = [spec or "" for _, name, spec, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError:
+        return None
+    if any("{" in spec for spec in specs):
+        return "a format spec holds a nested {field}; write plain specs such as {a:>3}"
+    if any(_too_wide(n) for spec in specs for n in re.findall(r"\d+", spec)):
+        return f"a format spec asks for a width or precision above {TEMPLATE_MAX_WIDTH}"
+    try:
+        template.format(a=a, op=op, b=b)
+    except Exception as exc:  # str.format raises ValueError, TypeError, KeyError, IndexError, ...
+        return f"formatting it with a={a}, op={op!r}, b={b} raised {exc!r}"
+    return None
 
 
 def _apply(a: int, op: str, b: int) -> int:

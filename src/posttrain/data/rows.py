@@ -157,17 +157,21 @@ def _source_rows(cfg: RunConfig, problems: list[str]) -> tuple[Iterator[Row], st
 
 
 def _longest_arithmetic_row(cfg: RunConfig) -> Iterator[Row]:
-    """The generator's rows are valid by construction except for their length, which
-    ``rl.data.system_prompt`` and ``arithmetic_template`` set: its longest question (the operand with
-    the most characters on both sides, the longest operator), which the length check then counts."""
-    from posttrain.data.arithmetic import arithmetic_problems
+    """The generator's rows are valid by construction except for their length, which a
+    ``rl.data.system_prompt`` can push past the context: with one set, its longest question (the
+    operand with the most characters on both sides, the longest operator), which the length check
+    then counts. Without one the questions are a short template's (and ``--validate-manifest`` of the
+    default recipe stays clear of transformers' template renderer)."""
+    from posttrain.data.arithmetic import arithmetic_problems, template_format_problem
 
     data = cfg.rl.data
-    ops = list(data.arithmetic_ops)
-    if arithmetic_problems(data.arithmetic_min, data.arithmetic_max, ops, data.arithmetic_template):
-        return  # the preflight's data check names these
-    operand = max((data.arithmetic_min, data.arithmetic_max), key=lambda v: len(str(v)))
-    question = data.arithmetic_template.format(a=operand, op=max(ops, key=len), b=operand)
+    ops, template = list(data.arithmetic_ops), data.arithmetic_template
+    if data.system_prompt is None or arithmetic_problems(data.arithmetic_min, data.arithmetic_max, ops, template):
+        return  # nothing to count, or the preflight's data check names the settings
+    operand, op = max((data.arithmetic_min, data.arithmetic_max), key=lambda v: len(str(v))), max(ops, key=len)
+    if template_format_problem(template, op, operand, operand) is not None:
+        return  # the preflight's template check names it
+    question = template.format(a=operand, op=op, b=operand)
     prompt = apply_system_prompt(question, data.system_prompt)
     sample = PromptSample(prompt=prompt, ground_truth=0, uid="arith:longest")  # only its length is in question
     yield "rl.data (the arithmetic generator's longest question)", sample
@@ -180,8 +184,8 @@ def _resolve_rewards(names: str | list[str]) -> list[Reward]:
     for name in [names] if isinstance(names, str) else names:
         try:
             rewards.append(get_reward(name))
-        except (ValueError, ImportError):
-            continue  # the preflight's reward check reports it
+        except Exception:  # user code may raise anything on import; the preflight's reward check names it
+            continue
     return rewards
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import string
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from posttrain.config.loading import shown
 from posttrain.config.schema import RunConfig
+from posttrain.data.arithmetic import template_format_problem
 from posttrain.models.precision import precision_conflict
 from posttrain.preflight.eval import check_eval
 from posttrain.preflight.findings import Findings
@@ -33,8 +33,6 @@ DR_GRPO_EPS_LIMIT = 1e-7
 # What every RewardInput carries whatever the data source (the rollout fills them): a reward may
 # require them on any source. Only ``ground_truth`` depends on the data (rewards/base.py).
 ALWAYS_PROVIDED = frozenset({"prompt", "completion", "finish_reason", "metadata"})
-# Largest width or precision the arithmetic template may ask for: formatting it must stay cheap.
-TEMPLATE_MAX_WIDTH = 1000
 # The native builds the nixl meta package loads (its Python API alone cannot move anything).
 NIXL_BUILDS = ("nixl_cu12", "nixl_cu13", "nixl_rocm")
 
@@ -313,33 +311,13 @@ def check_reward_list(cfg: RunConfig, out: Findings) -> list[str]:
     return names
 
 
-def _too_wide(digits: str) -> bool:
-    # Length first: int() of a few thousand digits is slow, and past 4300 refused.
-    return len(digits.lstrip("0")) > len(str(TEMPLATE_MAX_WIDTH)) or int(digits) > TEMPLATE_MAX_WIDTH
-
-
 def check_arithmetic_template(cfg: RunConfig, out: Findings) -> None:
-    """Format the arithmetic question once with values of the types the generator fills in (ints
-    ``a`` and ``b``, the operator string ``op``), so that a format spec that does not fit them
-    (``{op:d}``, ``{a:s}``, ``{a!z}``) is found now, not at the first draw after the model loaded.
-    Widths and nested fields are refused first: ``{a:>1000000000}`` would build a gigabyte string."""
+    """Format the arithmetic question once now (``data.arithmetic.template_format_problem``), so that
+    a format spec that does not fit the generator's values is found before the model loads."""
     data = cfg.rl.data
     template = data.arithmetic_template
-    try:
-        specs = [spec or "" for _, name, spec, _ in string.Formatter().parse(template) if name is not None]
-    except ValueError:
-        return  # reported by the data check (not a valid format string)
     op = data.arithmetic_ops[0] if data.arithmetic_ops else "+"
-    why = None
-    if any("{" in spec for spec in specs):
-        why = "a format spec holds a nested {field}; write plain specs such as {a:>3}"
-    elif any(_too_wide(n) for spec in specs for n in re.findall(r"\d+", spec)):
-        why = f"a format spec asks for a width or precision above {TEMPLATE_MAX_WIDTH}"
-    else:
-        try:
-            template.format(a=data.arithmetic_min, op=op, b=data.arithmetic_max)
-        except Exception as exc:  # str.format raises ValueError, TypeError, KeyError, IndexError, ...
-            why = f"formatting it with a={data.arithmetic_min}, op={op!r}, b={data.arithmetic_max} raised {exc!r}"
+    why = template_format_problem(template, op, data.arithmetic_min, data.arithmetic_max)
     if why is not None:
         out.errors.append(
             f"rl.data.arithmetic_template={shown(template)}: {why}; a and b are ints and op a string, so use specs "
