@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,15 +36,6 @@ def write_lines(path: Path, lines: list[Any]) -> Path:
     )
     path.write_bytes(raw)
     return path
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path, smollm2_tokenizer_dir: str) -> Path:
-    """The SmolLM2 tokenizer files and config.json, plus a placeholder weights file (never read)."""
-    out = tmp_path / "model"
-    shutil.copytree(smollm2_tokenizer_dir, out)
-    (out / "model.safetensors").write_bytes(b"\0" * 8)
-    return out
 
 
 def rows_problems(data: Path, model: Path | None = None, *overrides: str) -> list[str]:

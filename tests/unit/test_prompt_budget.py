@@ -10,7 +10,6 @@ rows, a model not yet on disk, evaluation prompts.
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -54,15 +53,6 @@ def test_a_rendered_prompt_over_the_budget_is_refused_by_sample() -> None:
         "sample rows.jsonl:2: the prompt is 17 tokens, but the model's context (max_position_embeddings=20) "
         "minus rollout.max_tokens=4 leaves 16 for it; shorten or drop the row, or lower rollout.max_tokens"
     )
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path, smollm2_tokenizer_dir: str) -> Path:
-    """The SmolLM2 tokenizer files and config.json, plus a placeholder weights file (never read)."""
-    out = tmp_path / "model"
-    shutil.copytree(smollm2_tokenizer_dir, out)
-    (out / "model.safetensors").write_bytes(b"\0" * 8)
-    return out
 
 
 @pytest.mark.parametrize(("bounds", "operand"), [((1, 20), "20"), ((-100, 5), "-100")])
