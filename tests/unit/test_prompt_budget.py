@@ -9,14 +9,16 @@ rows, a model not yet on disk, evaluation prompts.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from posttrain.config.loading import build_config
 from posttrain.data.base import PromptSample
-from posttrain.data.prompt_length import PromptBudget, run_prompt_budget
+from posttrain.data.prompt_length import PromptBudget, positions_in, prompt_budget
 from posttrain.data.rows import check_rows
 from posttrain.errors import DataError
 from posttrain.loop.collect import check_prompt_lengths
@@ -24,22 +26,44 @@ from posttrain.loop.collect import check_prompt_lengths
 CONTEXT = 8192  # max_position_embeddings in the SmolLM2 fixture's config.json
 
 
-def test_the_run_budget_is_the_smaller_of_the_model_and_engine_contexts() -> None:
-    own = run_prompt_budget({"max_position_embeddings": 100}, 10, None)
+def _rollout(*overrides: str) -> Any:
+    return build_config(None, list(overrides)).rollout
+
+
+def test_the_budget_is_the_smaller_of_the_model_and_engine_contexts() -> None:
+    own = prompt_budget(positions_in({"max_position_embeddings": 100}), _rollout("rollout.max_tokens=10"))
     assert own is not None and own.limit == 90
     assert "the model's context (max_position_embeddings=100) minus rollout.max_tokens=10 leaves 90" in own.describe(95)
-    engine = run_prompt_budget({"max_position_embeddings": 100}, 10, 50)
+    vllm = ("rollout.backend=vllm", "rollout.max_tokens=10")
+    engine = prompt_budget(100, _rollout(*vllm, "rollout.max_model_len=50"))
     assert engine is not None and engine.limit == 40
     assert "the engine's context (rollout.max_model_len=50) minus rollout.max_tokens=10 leaves 40" in engine.describe(
         45
     )
-    wider = run_prompt_budget({"max_position_embeddings": 100}, 10, 200)  # vLLM refuses a longer one itself
+    wider = prompt_budget(100, _rollout(*vllm, "rollout.max_model_len=200"))  # vLLM refuses a longer one itself
     assert wider is not None and wider.limit == 90
-    multimodal = run_prompt_budget({"text_config": {"max_position_embeddings": 64}}, 4, None)
+    hf = prompt_budget(100, _rollout("rollout.backend=hf", "rollout.max_tokens=10", "rollout.max_model_len=50"))
+    assert hf is not None and hf.limit == 90  # the transformers engine does not read max_model_len
+    multimodal = prompt_budget(
+        positions_in({"text_config": {"max_position_embeddings": 64}}), _rollout("rollout.max_tokens=4")
+    )
     assert multimodal is not None and multimodal.limit == 60
-    assert run_prompt_budget({"hidden_size": 8}, 10, None) is None
-    only_engine = run_prompt_budget({}, 10, 30)
+    assert prompt_budget(positions_in({"hidden_size": 8}), _rollout("rollout.max_tokens=10")) is None
+    only_engine = prompt_budget(None, _rollout(*vllm, "rollout.max_model_len=30"))
     assert only_engine is not None and only_engine.limit == 20
+
+
+def test_the_preflight_holds_rows_to_a_smaller_vllm_context(tmp_path: Path, model_dir: Path) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        json.dumps({"prompt": "word " * 300, "answer": 1}) + "\n" + json.dumps({"prompt": "hi", "answer": 2}) + "\n"
+    )
+    base = [f"rl.data.path={rows}", f"model.name_or_path={model_dir}", "rollout.max_tokens=16"]
+    assert check_rows(build_config(None, base)) == []  # within the model's 8,192 positions
+    problems = check_rows(build_config(None, [*base, "rollout.backend=vllm", "rollout.max_model_len=256"]))
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{rows} line 1 (sample rows.jsonl:1): the prompt is "), problems[0]
+    assert "the engine's context (rollout.max_model_len=256) minus rollout.max_tokens=16 leaves 240" in problems[0]
 
 
 def test_a_rendered_prompt_over_the_budget_is_refused_by_sample() -> None:

@@ -97,15 +97,16 @@ class PromptBudget:
         )
 
 
-def run_prompt_budget(model_config: Any, max_tokens: int, engine_max_len: int | None) -> PromptBudget | None:
-    """What a rendered prompt may take in a run: the loaded model's context, or the engine's smaller
-    ``rollout.max_model_len``, less ``rollout.max_tokens``; None when neither is known. The run checks
-    each rendered prompt against it before sampling (``loop.collect``): the preflight cannot count
-    prompts whose model is not on disk yet, or that a factory builds."""
-    positions = positions_in(model_config)
+def prompt_budget(positions: int | None, rollout: Any) -> PromptBudget | None:
+    """What a rendered prompt may take: the model's context (``positions``), or a vLLM engine's smaller
+    ``rollout.max_model_len``, less ``rollout.max_tokens``; None when neither is known. One rule for
+    the preflight's row pass (``data.rows``) and the run's check of each rendered prompt
+    (``loop.collect.check_prompt_lengths``), which covers what the preflight cannot count: prompts
+    whose model is not on disk yet, or that a factory builds. ``rollout``: the config's section."""
+    engine_max_len = rollout.max_model_len if rollout.backend == "vllm" else None
     if engine_max_len is not None and (positions is None or engine_max_len < positions):
-        return PromptBudget(engine_max_len, max_tokens, "the engine's context (rollout.max_model_len={n})")
-    return None if positions is None else PromptBudget(positions, max_tokens)
+        return PromptBudget(engine_max_len, rollout.max_tokens, "the engine's context (rollout.max_model_len={n})")
+    return None if positions is None else PromptBudget(positions, rollout.max_tokens)
 
 
 class PromptCounter:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from posttrain.data.base import PromptSample
 from posttrain.data.jsonl import ItemsFn, apply_system_prompt, jsonl_lines, parse_jsonl_line, row_to_sample
-from posttrain.data.prompt_length import PromptBudget, PromptCounter, max_positions
+from posttrain.data.prompt_length import PromptBudget, PromptCounter, max_positions, prompt_budget
 from posttrain.data.table_source import missing_columns
 from posttrain.data.tables import RowTable, open_dataset_table, open_path_table
 from posttrain.errors import DataError
@@ -209,13 +209,15 @@ def _length_setup(cfg: RunConfig, problems: list[str]) -> _Lengths:
     positions = max_positions(model_dir) if model_dir is not None else None
     if model_dir is None or positions is None:
         return _Lengths(None, None, model)
-    budget = PromptBudget(positions, cfg.rollout.max_tokens)
-    if budget.limit <= 0:
+    if positions <= cfg.rollout.max_tokens:
         problems.append(
             f"rollout.max_tokens={cfg.rollout.max_tokens} leaves no room for a prompt: model.name_or_path={model} "
             f"has max_position_embeddings={positions}; lower rollout.max_tokens"
         )
         return _Lengths(None, None, model)
+    budget = prompt_budget(positions, cfg.rollout)  # a vLLM engine's smaller max_model_len, where set
+    if budget is None or budget.limit <= 0:
+        return _Lengths(None, None, model)  # a max_model_len without room: the preflight's engine check names it
     counter = PromptCounter.for_model(
         model_dir, use_chat_template=cfg.model.use_chat_template, template_kwargs=cfg.model.chat_template_kwargs
     )

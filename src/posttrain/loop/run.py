@@ -42,7 +42,7 @@ from posttrain.checkpoint.reader import describe_fresh_start
 from posttrain.checkpoint.upload import fetch_from_destination, start_uploads
 from posttrain.config.schema import RunConfig
 from posttrain.data.build import build_data_source
-from posttrain.data.prompt_length import run_prompt_budget
+from posttrain.data.prompt_length import positions_in, prompt_budget
 from posttrain.distributed.cells import Cells
 from posttrain.distributed.fsdp import PolicyWeights, shard_for_world
 from posttrain.distributed.process_group import join_policy_world, leave_policy_world
@@ -149,8 +149,7 @@ def start_run(cfg: RunConfig, argv: list[str], objective: Objective) -> Run:
     dp = shard_for_world(model, cfg.grid.dp_replicate, cfg.grid.dp_shard, compute_dtype=precision.compute_dtype)
     if not getattr(reference, "runs_policy", False):  # a LoRA reference is the policy itself: sharded already
         reference = shard_reference_for_world(reference, dp, compute_dtype=precision.compute_dtype)  # like the policy
-    engine_max_len = cfg.rollout.max_model_len if cfg.rollout.backend == "vllm" else None
-    budget = run_prompt_budget(model.config.to_dict(), cfg.rollout.max_tokens, engine_max_len)
+    budget = prompt_budget(positions_in(model.config.to_dict()), cfg.rollout)
     roles = Roles(data=data, engine=engine, reward=reward, tokenizer=tokenizer, vision=sampler, prompt_budget=budget)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = PolicyTrainer(model, cfg, objective=objective, pad_id=pad_id, ref_model=reference)
