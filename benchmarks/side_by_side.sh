@@ -18,6 +18,7 @@
 #   seqs   ours at 1,024 and 2,048 tokens (own process), and at 128 prompts with vLLM's max_num_seqs
 #          at its CUDA-graph capture size (512; the growth table's jump past 512 sequences)
 #   trl    TRL on W, then at the growth grid's corners (128 prompts; 1,024 tokens)
+#   tlong  ours at 1,024 and 2,048 tokens, then TRL at 8 prompts and at 64 tokens (one call)
 #   trlgrid  TRL at the growth grid's other small points (8 and 64 prompts; 64 tokens)
 #   trl256, trl2048  TRL at the growth grid's two largest points (256 prompts; 2,048 tokens), a call each
 #   trl135 the 135M shape, ours and TRL
@@ -179,8 +180,14 @@ case "${1:-}" in
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   trl) trl_points w:150:32,8,256 p128:230:32,32,256 t1024:200:16,16,1024 ;;
   trlgrid) trl_points p8:170:32,2,256 p64:230:32,16,256 t64:170:32,8,64 ;;
+  trl64) trl_points p64:230:32,16,256 ;;
   trl256) trl_points p256:560:32,64,256 ;;
   trl2048) trl_points t2048:560:4,64,2048 ;;
+  tlong)  # ours at 1,024 and 2,048 tokens, then TRL at the two small growth points, in one call
+    environment
+    model 0.5b /tmp/m05
+    step tlong 240 --model /tmp/m05 --micro-batch 8 --max-model-len 2200 --arms "$LONG_ARMS" --out-dir "$R/w"
+    trl_points p8:150:32,2,256 t64:150:32,8,64 ;;
   seqs)
     environment
     model 0.5b /tmp/m05
