@@ -36,7 +36,9 @@ def ours_row(path: Path, label: str | None = None) -> str:
     m = d["median_steps_2_on"]
     a = d["args"]
     if label is None:
-        label = f"posttrain {d.get('arm', path.stem)}" + (" (unseeded)" if a.get("unseeded") else "")
+        arm = d.get("arm", "run")
+        name = path.stem if arm == "run" else arm  # a lone run (--out, not --arms) is named by its file
+        label = f"posttrain {name}" + (" (unseeded)" if a.get("unseeded") else "")
     gap = m.get("logprob_gap_mean", float("nan"))
     gap_text = "" if math.isnan(gap) else f"{gap:.4f}"
     return (
@@ -142,7 +144,7 @@ def dir_tables(r: Path) -> str:
     w = sorted((r / "w").glob("*.json"), key=lambda p: p.stat().st_mtime) if (r / "w").exists() else []
     w_arms = [p for p in w if not re.fullmatch(r"[pt]\d+", p.stem)]  # in the order they ran; growth arms apart
     trl_w = r / "trl_w.json"
-    extra = [p for p in (r / "w_offpolicy.json",) if p.exists()]
+    extra = [p for p in (r / f"{n}.json" for n in ("w_offpolicy", "w_offpolicy_mps", "w_compiled_mps")) if p.exists()]
     if w_arms:
         lines = [HEADER, *(ours_row(p) for p in [*w_arms, *extra])]
         if trl_w.exists():

@@ -19,6 +19,7 @@
 #          at its CUDA-graph capture size (512; the growth table's jump past 512 sequences)
 #   trl    TRL on W, then at the growth grid's corners (128 prompts; 1,024 tokens)
 #   tlong  ours at 1,024 and 2,048 tokens, then TRL at 8 prompts and at 64 tokens (one call)
+#   trl64  TRL at 64 prompts
 #   trlgrid  TRL at the growth grid's other small points (8 and 64 prompts; 64 tokens)
 #   trl256, trl2048  TRL at the growth grid's two largest points (256 prompts; 2,048 tokens), a call each
 #   trl135 the 135M shape, ours and TRL
