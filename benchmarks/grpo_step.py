@@ -75,6 +75,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     cfg.rl.micro_batch_per_replica = args.micro_batch
     cfg.model.share_prompt_prefix = {"auto": "auto", "on": True, "off": False}[args.share_prefix]
     cfg.model.compile = args.compile
+    cfg.model.fused_kernels = args.fused_kernels
     cfg.rl.optimizer.lr = args.lr
     cfg.rl.kl_beta = 0.0
     cfg.rollout.max_tokens = args.max_tokens
@@ -135,6 +136,7 @@ ARM_KEYS = {
     "sampler_logprobs_every": int,
     "sampler_logprobs_samples": lambda v: None if v in ("", "none", "null") else int(v),
     "compile": lambda v: v in ("1", "true", "yes"),
+    "fused_kernels": lambda v: v in ("1", "true", "yes"),
 }
 
 
@@ -167,7 +169,7 @@ def run(
     trainer._old_logprobs = _timed(acc, "logprob_pass_s", trainer._old_logprobs)
     trainer._optimizer_step = _timed(acc, "optimizer_s", trainer._optimizer_step)
     results = []
-    compiled = args.compile
+    compiled, fused = args.compile, args.fused_kernels
     try:
         for name, arm in arms or [("run", args)]:
             if arm.compile and not compiled:  # turned on from this arm on (it cannot be turned off again)
@@ -176,6 +178,12 @@ def run(
                 compile_layers(trainer.model)
                 compiled = True
             arm.compile = compiled
+            if arm.fused_kernels and not fused:  # likewise: Liger's kernels stay patched in
+                from posttrain.models.fused_kernels import apply_fused_kernels
+
+                apply_fused_kernels(trainer.model)
+                fused = True
+            arm.fused_kernels = fused
             cfg.rl.batch_per_replica = arm.prompts * arm.samples
             cfg.rl.micro_batch_per_replica = arm.micro_batch
             print(f"== arm {name}: {json.dumps({k: getattr(arm, k) for k in ARM_KEYS})}", flush=True)
@@ -428,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sleep", action="store_true", help="vLLM sleep mode: release its memory during the update")
     p.add_argument("--share-prefix", choices=["auto", "on", "off"], default="auto", help="model.share_prompt_prefix")
     p.add_argument("--compile", action="store_true", help="model.compile: torch.compile the decoder layers")
+    p.add_argument("--fused-kernels", action="store_true", help="model.fused_kernels: Liger's RMSNorm, SwiGLU, RoPE")
     p.add_argument("--async-scheduling", action="store_true", help="vLLM async scheduling")
     p.add_argument("--off-policy", action="store_true", help="rl.max_off_policy_steps=1: sample k+1 while k trains")
     p.add_argument(
@@ -468,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         "--arms",
         help='several settings in one process on one engine: "name:key=value,...;name2:..." with keys '
         + ", ".join(ARM_KEYS)
-        + " (compile, once on, stays on); each arm writes NAME.json under --out-dir",
+        + " (compile and fused_kernels, once on, stay on); each arm writes NAME.json under --out-dir",
     )
     p.add_argument("--out-dir", type=Path, help="with --arms: one JSON per arm here")
     p.add_argument("--out", type=Path, help="write the per-step figures as JSON here")

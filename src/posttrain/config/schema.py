@@ -63,10 +63,9 @@ class ModelConfig(Section):
     """Branch, tag or commit of a hub id ``model.name_or_path``; ``null`` is ``main``. Refused with a
     local directory or the embedded model."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Parameter dtype: weights, gradients and optimizer state. ``auto`` is fp32 on every device
-    (fp32 master weights; before mixed precision it was bf16 on a GPU). ``bfloat16`` keeps pure bf16
-    weights and updates them in bf16, as ``auto`` did on a GPU before. ``float32`` on a GPU now
-    computes in bf16 too (``model.compute_dtype=auto``); full fp32 there is ``model.compute_dtype=float32``."""
+    """Parameter dtype: weights, gradients and optimizer state. ``auto`` is fp32 on every device (master
+    weights); ``bfloat16`` keeps pure bf16 weights and updates them in bf16. ``float32`` on a GPU computes
+    in bf16 too (``model.compute_dtype=auto``); full fp32 there is ``model.compute_dtype=float32``."""
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Forward/backward compute dtype. ``auto``: bf16 on a GPU over fp32 parameters (mixed precision:
     the whole forward on bf16 copies of the weights, gradients back to fp32, sharded or not), else
@@ -84,23 +83,24 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     share_prompt_prefix: bool | Literal["auto"] = "auto"
-    """Run each group's prompt once in the policy forward (its KV cache is shared by the group's
-    completions); same gradient as running every prompt + completion. ``auto`` shares on a CPU when
-    a batch's mean prompt is at least its mean completion, on a GPU only when it is also >= 512 tokens
-    and 2x the completion: smaller, the second pass costs more than it saves (one H200, default recipe:
-    update 0.23 s shared, 0.11 plain; 991-token prompts: step 0.19 s shared, 0.25 plain; docs/benchmarks.md)."""
+    """Run each group's prompt once in the policy forward (its KV cache is shared by the group's completions);
+    same gradient as running every prompt + completion. ``auto`` shares on a CPU when a batch's mean prompt is
+    at least its mean completion, on a GPU only when it is also >= 512 tokens and 2x the completion (one H200,
+    default recipe: update 0.23 s shared, 0.11 plain; 991-token prompts: step 0.19 s shared, 0.25 plain)."""
     sequence_packing: bool = False
-    """Pack each micro-batch's sequences end to end into as few rows as hold them (each as wide as
-    its longest sequence) instead of one right-padded row per sequence, so the update computes
-    little padding when lengths vary. Each sequence still attends only to itself: the position ids
-    restart per sequence and transformers masks by them (block-diagonal). A probe at start fails
-    loudly if the model lets packed sequences see each other. Applies to the per-sequence path,
-    not to batches that ``share_prompt_prefix`` runs once per group. Gains grow with the spread of
-    lengths; with all sequences equally long there is nothing to remove."""
+    """Pack each micro-batch's sequences end to end into as few rows as hold them (each as wide as its
+    longest sequence) instead of one right-padded row per sequence, so the update computes little padding
+    when lengths vary. Each sequence still attends only to itself: the position ids restart per sequence
+    and transformers masks by them (block-diagonal); a probe at start fails loudly if the model lets
+    packed sequences see each other. Not for batches that ``share_prompt_prefix`` runs once per group."""
     compile: bool = False
     """``torch.compile`` each decoder layer (dynamic shapes) for the update: on one H200 28 % less time at 0.4B,
     23 % at 1.5B, for 5-10 s on the first step; off for short jobs, and ``share_prompt_prefix=auto`` then never
     shares (docs/benchmarks.md). For ``rollout.backend=vllm``; refused for vision-language and routing replay."""
+    fused_kernels: bool = False
+    """Liger-Kernel's Triton RMSNorm, SwiGLU and RoPE in the policy (``pip install liger-kernel``; CUDA; llama,
+    qwen2, qwen3): one H200's 0.4B update 0.85 -> 0.61 s, like ``model.compile`` without its compile, as accurate
+    as eager (docs/benchmarks.md). Refused with ``model.compile`` and LoRA (``models/fused_kernels.py``)."""
     logprob_chunk_tokens: int = Field(1024, ge=16)
     """Tokens per chunk when computing per-token logprobs; bounds the fp32 [tokens, vocab] buffer."""
     lora: LoraConfig = Field(default_factory=LoraConfig)

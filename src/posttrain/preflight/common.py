@@ -1,8 +1,8 @@
 """The model-free checks every run shares (GRPO and OPD): batch nesting, the sampler-logprob modes,
 the objective knobs both have, the rollout engine and weight sync, off-policy sampling, run naming
 and resume, the prompt source (and the arithmetic template, tried with values of the right types)
-and the reward's inputs, and the model directory or hub id (``preflight/paths.py``, with the other
-file-system checks).
+and the reward's inputs, the model directory or hub id (``preflight/paths.py``, with the other
+file-system checks), and ``model.fused_kernels`` (``preflight/fused_kernels.py``).
 
 ``run_checks`` runs them in the one order both preflights report in, with the algorithm's own
 objective checks (``preflight/grpo.py``, ``preflight/opd.py``) after the batch checks. Nothing here
@@ -23,6 +23,7 @@ from posttrain.data.arithmetic import template_format_problem
 from posttrain.models.precision import precision_conflict
 from posttrain.preflight.eval import check_eval
 from posttrain.preflight.findings import Findings
+from posttrain.preflight.fused_kernels import check_fused_kernels
 from posttrain.preflight.grid import check_grid
 from posttrain.preflight.lora import check_lora
 from posttrain.preflight.paths import check_model_path, check_resume, check_run_dir
@@ -340,6 +341,7 @@ def run_checks(cfg: ConfigT, objective_checks: Sequence[Callable[[ConfigT, Findi
     findings = Findings()
     check_model_path("model.name_or_path", cfg.model.name_or_path, findings, revision=cfg.model.revision)
     check_vision_policy(cfg, findings)
+    check_fused_kernels(cfg, findings, cuda_major=_torch_cuda_major())
     conflict = precision_conflict(cfg.model.dtype, cfg.model.compute_dtype)  # contradictory dtypes, by name
     if conflict is not None:
         findings.errors.append(conflict)

@@ -1,0 +1,64 @@
+"""The ``model.fused_kernels`` rules (Liger-Kernel's Triton RMSNorm, SwiGLU and RoPE;
+``models/fused_kernels.py``), checked before any model loads:
+
+* a CUDA policy: ``model.device=cpu``, or ``auto`` where torch is a CPU build, is refused (Triton
+  kernels run on CUDA only);
+* Liger-Kernel installed;
+* a model type posttrain patches (``FUSED_MODEL_TYPES``: llama, qwen2, qwen3), read from the model
+  directory's ``config.json`` when it is on disk (the patch refuses others again after loading);
+* not with ``model.compile``: both fuse the same elementwise work, and dynamo tracing through
+  Liger's autograd functions has not run here;
+* not with LoRA: peft's wrapped projections under Liger's SwiGLU have not run here.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from posttrain.config.schema import RunConfig
+from posttrain.models.fused_kernels import FUSED_MODEL_TYPES, INSTALL_HINT
+from posttrain.models.loading import local_model_dir
+from posttrain.preflight.findings import Findings
+
+OFF = "set model.fused_kernels=false"
+
+
+def liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def check_fused_kernels(cfg: RunConfig, out: Findings, cuda_major: int | None) -> None:
+    """``cuda_major``: the CUDA major version torch is built for, None for a CPU build."""
+    model = cfg.model
+    if not model.fused_kernels:
+        return
+    head = "model.fused_kernels=true"
+    if model.device == "cpu" or (model.device == "auto" and cuda_major is None):
+        where = (
+            "model.device=cpu" if model.device == "cpu" else "model.device=auto means the CPU (torch is a CPU build)"
+        )
+        out.errors.append(f"{head} runs Triton kernels on CUDA only, but {where}; {OFF}")
+    if not liger_installed():
+        out.errors.append(f"{head} needs Liger-Kernel, which is not installed: {INSTALL_HINT}; or {OFF}")
+    if model.compile:
+        out.errors.append(
+            f"{head} and model.compile=true both fuse the update's elementwise operations, and compiling "
+            f"through Liger's kernels has not run here; choose one ({OFF} or model.compile=false)"
+        )
+    if model.lora.enabled:
+        out.errors.append(f"{head} with LoRA (model.lora.rank > 0) has not run here; {OFF}")
+    model_dir = local_model_dir(model.name_or_path, model.revision)
+    config = model_dir / "config.json" if model_dir is not None else None
+    if config is not None and config.is_file():
+        try:
+            model_type = json.loads(config.read_text()).get("model_type")
+        except (OSError, ValueError):
+            return  # the model-path check reports an unreadable config
+        if model_type not in FUSED_MODEL_TYPES:
+            out.errors.append(
+                f"{head}: {config} has model_type {model_type!r}; posttrain patches "
+                f"{', '.join(FUSED_MODEL_TYPES)} only; {OFF}"
+            )

@@ -1,0 +1,99 @@
+"""``model.fused_kernels`` on a machine without a GPU: the preflight's rules (``preflight/fused_kernels.py``),
+all before any model loads and each naming what to change, and the patch's own refusals and CPU
+path (``models/fused_kernels.py``). The kernels themselves run in ``tests/gpu/test_fused_kernels_gpu.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.config.loading import build_config
+from posttrain.errors import PosttrainError
+from posttrain.models.fused_kernels import apply_fused_kernels, rope_by_device
+from posttrain.preflight import fused_kernels as preflight
+from posttrain.preflight.findings import Findings
+from posttrain.preflight.grpo import grpo_preflight
+
+ON = "model.fused_kernels=true"
+
+
+def _errors(
+    *overrides: str, cuda_major: int | None = 13, liger: bool = True, monkeypatch: pytest.MonkeyPatch
+) -> list[str]:
+    monkeypatch.setattr(preflight, "liger_installed", lambda: liger)
+    findings = Findings()
+    preflight.check_fused_kernels(build_config(None, list(overrides)), findings, cuda_major=cuda_major)
+    return findings.errors
+
+
+def test_off_by_default_and_then_nothing_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert build_config(None, []).model.fused_kernels is False
+    assert _errors("model.device=cpu", cuda_major=None, liger=False, monkeypatch=monkeypatch) == []
+
+
+def test_a_cuda_policy_with_liger_installed_passes(monkeypatch: pytest.MonkeyPatch, model_dir: Path) -> None:
+    assert _errors(ON, f"model.name_or_path={model_dir}", "model.device=cuda", monkeypatch=monkeypatch) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "cuda_major", "message"),
+    [
+        (["model.device=cpu"], 13, "runs Triton kernels on CUDA only, but model.device=cpu"),
+        (["model.device=auto"], None, "model.device=auto means the CPU (torch is a CPU build)"),
+        (["model.compile=true"], 13, "model.compile=true both fuse the update's elementwise operations"),
+        (["model.lora.rank=8"], 13, "with LoRA (model.lora.rank > 0) has not run here"),
+    ],
+)
+def test_what_cannot_run_is_refused_by_name(
+    overrides: list[str], cuda_major: int | None, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    errors = _errors(ON, *overrides, cuda_major=cuda_major, monkeypatch=monkeypatch)
+    assert len(errors) == 1 and message in errors[0] and "model.fused_kernels=false" in errors[0], errors
+
+
+def test_liger_missing_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    (error,) = _errors(ON, "model.device=cuda", liger=False, monkeypatch=monkeypatch)
+    assert "needs Liger-Kernel, which is not installed: pip install liger-kernel" in error
+
+
+def test_a_model_type_it_does_not_patch_is_refused_with_its_config_file(
+    monkeypatch: pytest.MonkeyPatch, model_dir: Path
+) -> None:
+    config = model_dir / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "gpt2"}))
+    (error,) = _errors(ON, f"model.name_or_path={model_dir}", "model.device=cuda", monkeypatch=monkeypatch)
+    assert f"{config} has model_type 'gpt2'; posttrain patches llama, qwen2, qwen3 only" in error
+
+
+def test_the_run_preflight_reports_it_before_any_model_loads(model_dir: Path) -> None:
+    # the real environment of this CPU machine: CPU torch, no liger-kernel
+    errors = grpo_preflight(build_config(None, [ON, f"model.name_or_path={model_dir}", "model.device=cpu"])).errors
+    assert any("model.fused_kernels=true runs Triton kernels on CUDA only" in e for e in errors), errors
+
+
+def test_the_patch_refuses_a_cpu_policy_and_an_unpatched_type(tiny_model_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(PosttrainError, match="needs the policy on CUDA"):
+        apply_fused_kernels(model)
+    model.config.model_type = "gpt2"
+    with pytest.raises(PosttrainError, match="model_type 'gpt2' is not one posttrain patches"):
+        apply_fused_kernels(model)
+
+
+def test_the_rotary_function_keeps_the_original_for_cpu_tensors() -> None:
+    def original(q, k, cos, sin, unsqueeze_dim=1):  # type: ignore[no-untyped-def]
+        return q + cos, k + sin
+
+    def fused(*args, **kwargs):  # type: ignore[no-untyped-def]  # stands in for the Triton kernel
+        raise AssertionError("the fused kernel must not see CPU tensors")
+
+    rope = rope_by_device(original, fused)
+    q, k, cos, sin = (torch.full((1, 2, 3, 4), float(i)) for i in range(4))
+    out_q, out_k = rope(q, k, cos, sin)
+    assert torch.equal(out_q, q + cos) and torch.equal(out_k, k + sin)
+    assert rope.posttrain_original is original  # type: ignore[attr-defined]
