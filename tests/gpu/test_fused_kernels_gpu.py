@@ -3,16 +3,13 @@ the device machine with liger-kernel installed, ``benchmarks/side_by_side.sh fus
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from posttrain.config.loading import build_config
-from posttrain.loop.grpo import train
 from posttrain.models.fused_kernels import apply_fused_kernels
 
 pytestmark = pytest.mark.gpu
@@ -63,22 +60,7 @@ def test_fused_kernels_are_as_accurate_as_eager_mixed_precision(tiny_model_dir: 
         cpu_model(input_ids=ids_BL.cpu(), use_cache=False)
 
 
-def test_a_run_with_fused_kernels_trains(tiny_model_dir: str, tmp_path: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures" / "e2e"))
-    cfg = build_config(
-        None,
-        [
-            f"model.name_or_path={tiny_model_dir}",
-            f"job.output_root={tmp_path}",
-            "model.fused_kernels=true",
-            "rl.reward=e2e_rewards:length_reward",
-            "rl.max_steps=3",
-            "rl.batch_per_replica=16",
-            "rl.group_size=4",
-            "rl.optimizer.lr=1e-3",
-        ],
-    )
-    run_dir = train(cfg)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def test_a_run_with_fused_kernels_trains(tiny_model_dir: str, grpo_run: Callable[..., Any]) -> None:
+    _, _, records = grpo_run(tiny_model_dir, "model.fused_kernels=true")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["train/grad_norm"] > 0 for r in records)

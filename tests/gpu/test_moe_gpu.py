@@ -9,16 +9,14 @@ process of its own, on the device machine (needs the vLLM kit of benchmarks/devi
 
 from __future__ import annotations
 
-import json
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain.config.loading import build_config
 from posttrain.distributed.fsdp import PolicyWeights
 from posttrain.models.routing_replay import record_routing
 from posttrain.models.tiny import make_tiny_moe_model
@@ -83,29 +81,15 @@ def test_expert_weight_sync_moves_the_routing_and_logprobs(engine, moe_dir: str)
     assert changed == len(PROMPTS)  # the prompt positions now route elsewhere: the new router arrived
 
 
-def test_grpo_with_routing_replay_end_to_end(moe_dir: str, tmp_path: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures" / "e2e"))
-    from posttrain.loop.grpo import train
-
-    cfg = build_config(
-        None,
-        [
-            f"model.name_or_path={moe_dir}",
-            f"job.output_root={tmp_path}",
-            "rl.reward=e2e_rewards:length_reward",
-            "rl.max_steps=3",
-            "rl.batch_per_replica=16",
-            "rl.group_size=4",
-            "rl.mini_batch_per_replica=8",
-            "rl.optimizer.lr=1e-3",
-            "rollout.backend=vllm",
-            "rollout.enforce_eager=true",
-            "rollout.max_tokens=16",
-            "rl.routing_replay=rollout",
-        ],
+def test_grpo_with_routing_replay_end_to_end(moe_dir: str, grpo_run: Callable[..., Any]) -> None:
+    _, _, records = grpo_run(
+        moe_dir,
+        "rl.mini_batch_per_replica=8",
+        "rollout.backend=vllm",
+        "rollout.enforce_eager=true",
+        "rollout.max_tokens=16",
+        "rl.routing_replay=rollout",
     )
-    run_dir = train(cfg)
-    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:  # every prompt and completion token pinned (completion tokens alone are fewer)
         assert r["train/routing_replay_pinned_tokens"] > r["train/valid_token_count"] > 0
