@@ -60,7 +60,13 @@ def test_fused_kernels_are_as_accurate_as_eager_mixed_precision(tiny_model_dir: 
         cpu_model(input_ids=ids_BL.cpu(), use_cache=False)
 
 
-def test_a_run_with_fused_kernels_trains(tiny_model_dir: str, grpo_run: Callable[..., Any]) -> None:
-    _, _, records = grpo_run(tiny_model_dir, "model.fused_kernels=true")
+def test_a_run_with_fused_kernels_trains_and_its_reference_is_patched_alike(
+    tiny_model_dir: str, grpo_run: Callable[..., Any]
+) -> None:
+    kl = ["rl.kl_beta=0.1", "rl.ref.build_ref=true", "rl.kl_coeff_clamp=5"]
+    _, _, records = grpo_run(tiny_model_dir, "model.fused_kernels=true", *kl)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["train/grad_norm"] > 0 for r in records)
+    # before the first update the policy is the reference: with the same kernels, the same logprobs
+    assert records[0]["train/kl_max"] == 0.0
+    assert records[-1]["train/kl_max"] > 0.0

@@ -9,10 +9,12 @@ were as close to an fp32 forward as eager bf16 autocast's (docs/benchmarks.md, t
 
 Liger's ``apply_liger_kernel_to_<type>(model=...)`` patches the given model's modules in place, and
 also replaces the RMSNorm and MLP classes and the rotary function in the transformers module of that
-type, for every later model of it. That module-wide half is undone here, so a teacher or reference
-built later (perhaps on the CPU, where Triton cannot run) gets plain modules; the rotary function,
-which the attention code looks up in its module at every call, is replaced by one that takes
-Liger's kernel for CUDA tensors and the original for any other. Parameter names and the state dict
+type, for every later model of it. That module-wide half is undone here, so a teacher built later
+(perhaps on the CPU, where Triton cannot run) gets plain modules; the rotary function, which the
+attention code looks up in its module at every call, is replaced by one that takes Liger's kernel
+for CUDA tensors and the original for any other (a CUDA teacher of the same type rotates with
+Liger's kernel too: the same numbers up to bf16 rounding). The trainer patches a KL reference of a
+patched type like the policy, so the two agree exactly before the first update. Parameter names and the state dict
 are unchanged, so checkpoints and weight sync do not see the patch.
 """
 
@@ -46,6 +48,12 @@ def rope_by_device(original: Callable[..., Any], fused: Callable[..., Any]) -> C
 
     apply_rotary_pos_emb.posttrain_original = original  # type: ignore[attr-defined]  # marks it installed
     return apply_rotary_pos_emb
+
+
+def fusable(model: nn.Module) -> bool:
+    """Whether ``apply_fused_kernels`` patches ``model``: a type it knows, on CUDA."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type in FUSED_MODEL_TYPES and next(model.parameters()).device.type == "cuda"
 
 
 def apply_fused_kernels(model: nn.Module) -> str:

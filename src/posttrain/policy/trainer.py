@@ -22,7 +22,7 @@ from posttrain.config.schema import RunConfig
 from posttrain.distributed.cells import cell_config
 from posttrain.distributed.fsdp import DataParallel, first_nonfinite, largest_entry, mixed_forward
 from posttrain.errors import PosttrainError, TrainingError
-from posttrain.models.fused_kernels import apply_fused_kernels
+from posttrain.models.fused_kernels import apply_fused_kernels, fusable
 from posttrain.models.precision import compute_weights, dtype_name, resolve_precision
 from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_micro_batches
 from posttrain.policy.images import (
@@ -148,6 +148,8 @@ class PolicyTrainer:
             compile_layers(model)
         if cfg.model.fused_kernels:  # Liger's RMSNorm, SwiGLU, RoPE; the preflight refused it with compile
             apply_fused_kernels(model)
+            if ref_model is not None and fusable(ref_model):  # the same kernels: equal logprobs at step 0
+                apply_fused_kernels(ref_model)
         if cfg.model.sequence_packing:
             check_packing_isolates(model)
 
