@@ -47,6 +47,7 @@
 #          from two processes run side by side instead of in time slices; then W compiled under MPS
 #   liger  Liger-Kernel's fused RMSNorm, SwiGLU and RoPE: the same numbers? then W's update eager against Liger
 #   fused  model.fused_kernels in whole steps: W, the small job's learning, the GPU test (Liger's wheel in .vxl)
+#   fused15  the 1.5B shape shipped and with model.fused_kernels
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -356,6 +357,13 @@ case "${1:-}" in
     small_job small_fused 150 model.fused_kernels=true
     POSTTRAIN_GPU_TEST_REPORT=$R/fused_gpu_test.json timeout 120 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
       tests/gpu/test_fused_kernels_gpu.py >"$R/fused_gpu_test.log" 2>&1; echo "fused gpu test rc=$?"; tail -2 "$R/fused_gpu_test.log"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  fused15)
+    # the 1.5B shape shipped then with model.fused_kernels (one process, one engine)
+    environment
+    model 1.5b /tmp/m15
+    step w15_fused 300 --model /tmp/m15 --micro-batch 32 --out-dir "$R/fused15" \
+      --arms "shipped:steps=4,$SHIPPED;fused:steps=4,fused_kernels=1,$SHIPPED"
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
