@@ -14,8 +14,8 @@ type, for every later model of it. That module-wide half is undone here, so a te
 attention code looks up in its module at every call, is replaced by one that takes Liger's kernel
 for CUDA tensors and the original for any other (a CUDA teacher of the same type rotates with
 Liger's kernel too: the same numbers up to bf16 rounding). The trainer patches a KL reference of a
-patched type like the policy, so the two agree exactly before the first update. Parameter names and the state dict
-are unchanged, so checkpoints and weight sync do not see the patch.
+patched type like the policy, so the two agree exactly before the first update. Parameter names and
+the state dict are unchanged, so checkpoints and weight sync do not see the patch.
 """
 
 from __future__ import annotations

@@ -54,9 +54,10 @@ def check_fused_kernels(cfg: RunConfig, out: Findings, cuda_major: int | None) -
     config = model_dir / "config.json" if model_dir is not None else None
     if config is not None and config.is_file():
         try:
-            model_type = json.loads(config.read_text()).get("model_type")
+            fields = json.loads(config.read_text())
         except (OSError, ValueError):
             return  # the model-path check reports an unreadable config
+        model_type = fields.get("model_type") if isinstance(fields, dict) else None
         if model_type not in FUSED_MODEL_TYPES:
             out.errors.append(
                 f"{head}: {config} has model_type {model_type!r}; posttrain patches "
