@@ -15,7 +15,10 @@ dispatch, autograd), which is what a GPU update of this size waits on. Arms:
 Each arm warms up on three batches, then times nine updates over batches whose lengths vary as a
 run's do (median and min). ``--count`` also counts the aten operations one eager update dispatches,
 attributed to the source file that issued them (or, in backward, to the autograd node): a
-device-independent count of what the GPU launches or the host dispatches. Pin the threads
+device-independent count of what the GPU launches or the host dispatches. ``--fused-stand-in``
+counts it once more with each RMSNorm, SwiGLU activation product and rotary embedding computed out of
+the counter's sight and counted as one launch forward and one backward: what ``model.fused_kernels``
+(Liger's Triton kernels, which cannot run on a CPU) leaves to dispatch. Pin the threads
 (``--threads``, default 1) so that the figure is per-operation cost, not parallel speed.
 """
 
@@ -113,8 +116,65 @@ def time_arm(arm: str, compute: str) -> dict[str, Any]:
     return row
 
 
-def count_ops(compute: str) -> dict[str, Any]:
-    """The aten operations of one eager update, by the source that issued them."""
+class _OneKernel(torch.autograd.Function):
+    """A block computed out of the counter's sight, counted as one launch forward and one backward:
+    what a fused kernel (Liger's RMSNorm, SwiGLU, RoPE; ``model.fused_kernels``) dispatches."""
+
+    launches = 0
+
+    @staticmethod
+    def forward(ctx: Any, fn: Any, *xs: torch.Tensor) -> Any:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes(), torch.enable_grad():
+            leaves = [x.detach().requires_grad_(x.requires_grad) for x in xs]
+            outs = fn(*leaves)
+            outs_t = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+            detached = tuple(o.detach() for o in outs_t)
+        ctx.leaves, ctx.outs = leaves, outs_t
+        _OneKernel.launches += 1
+        return detached[0] if isinstance(outs, torch.Tensor) else detached
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            wanted = [x for x in ctx.leaves if x.requires_grad]
+            found = iter(torch.autograd.grad(ctx.outs, wanted, grads, allow_unused=True))
+            out = [next(found) if x.requires_grad else None for x in ctx.leaves]
+        _OneKernel.launches += 1
+        return (None, *out)
+
+
+def fused_stand_ins() -> None:
+    """Route the Llama RMSNorm, the MLP's activation product and the rotary embedding through
+    ``_OneKernel`` (module-wide; for the count only)."""
+    from transformers.models.llama import modeling_llama as llama
+
+    rope = llama.apply_rotary_pos_emb
+
+    def norm(self: Any, x: torch.Tensor) -> Any:
+        def rms(x_: torch.Tensor, w_: torch.Tensor) -> torch.Tensor:  # LlamaRMSNorm's arithmetic, on w_
+            h = x_.to(torch.float32)
+            return w_ * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x_.dtype)
+
+        return _OneKernel.apply(rms, x, self.weight)
+
+    def mlp(self: Any, x: torch.Tensor) -> Any:
+        gate_up = _OneKernel.apply(lambda g, u: self.act_fn(g) * u, self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(gate_up)
+
+    llama.LlamaRMSNorm.forward = norm  # type: ignore[method-assign]
+    llama.LlamaMLP.forward = mlp  # type: ignore[method-assign]
+    llama.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: _OneKernel.apply(
+        lambda *t: rope(*t, *a, **kw), q, k, cos, sin
+    )
+
+
+def count_ops(compute: str, fused: bool = False) -> dict[str, Any]:
+    """The aten operations of one eager update, by the source that issued them; ``fused``: with the
+    fused blocks' stand-ins, each counted as one launch forward and one backward."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -137,16 +197,28 @@ def count_ops(compute: str) -> dict[str, Any]:
                 self.by_source[where] += 1
             return func(*args, **(kwargs or {}))
 
+    if fused:
+        fused_stand_ins()
     trainer = make_trainer("eager", compute)
     trainer.train_on(make_batch(0), step=1)
     counter = Count()
+    _OneKernel.launches = 0
     with counter:
         trainer.train_on(make_batch(1), step=2)
-    total = sum(counter.by_op.values())
-    print(f"aten operations in one eager update: {total}", flush=True)
+    total = sum(counter.by_op.values()) + _OneKernel.launches
+    print(
+        f"aten operations in one eager update{' with fused blocks' if fused else ''}: {total}"
+        + (f" ({_OneKernel.launches} of them the fused blocks' launches)" if fused else ""),
+        flush=True,
+    )
     for source, n in counter.by_source.most_common(20):
         print(f"  {n:6d}  {source}", flush=True)
-    return {"total": total, "by_source": dict(counter.by_source), "by_op": dict(counter.by_op)}
+    return {
+        "total": total,
+        "fused_launches": _OneKernel.launches,
+        "by_source": dict(counter.by_source),
+        "by_op": dict(counter.by_op),
+    }
 
 
 def main() -> None:
@@ -154,6 +226,7 @@ def main() -> None:
     p.add_argument("--arms", default="eager,layers,body")
     p.add_argument("--compute", default="float32", help="model.compute_dtype (bfloat16: the GPU's mixed path)")
     p.add_argument("--count", action="store_true", help="count one eager update's aten operations by source")
+    p.add_argument("--fused-stand-in", action="store_true", help="--count with the fused blocks as one launch each")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -161,6 +234,8 @@ def main() -> None:
     result: dict[str, Any] = {"torch": torch.__version__, "compute": args.compute, "arms": []}
     if args.count:
         result["ops"] = count_ops(args.compute)
+    if args.fused_stand_in:  # last: the stand-ins are module-wide
+        result["ops_fused"] = count_ops(args.compute, fused=True)
     for arm in args.arms.split(","):
         result["arms"].append(time_arm(arm, args.compute))
         if args.out:
