@@ -64,7 +64,8 @@ def test_a_run_with_fused_kernels_trains_and_its_reference_is_patched_alike(
     tiny_model_dir: str, grpo_run: Callable[..., Any]
 ) -> None:
     kl = ["rl.kl_beta=0.1", "rl.ref.build_ref=true", "rl.kl_coeff_clamp=5"]
-    _, _, records = grpo_run(tiny_model_dir, "model.fused_kernels=true", *kl)
+    _, run_dir, records = grpo_run(tiny_model_dir, "model.fused_kernels=true", *kl)
+    assert "run Liger-Kernel's Triton kernels" in (run_dir / "train.log").read_text()
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["train/grad_norm"] > 0 for r in records)
     # before the first update the policy is the reference: with the same kernels, the same logprobs
