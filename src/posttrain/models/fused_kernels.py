@@ -21,6 +21,7 @@ the state dict are unchanged, so checkpoints and weight sync do not see the patc
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,9 @@ def apply_fused_kernels(model: nn.Module) -> str:
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
     except ImportError as exc:
         raise PosttrainError(f"model.fused_kernels=true needs Liger-Kernel ({exc}): {INSTALL_HINT}") from exc
+    # Liger looks for optional backends (CuTe DSL, Ascend) at the first call and logs a WARNING with
+    # an ImportError for each one absent; the Triton backend it then runs needs neither.
+    logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
     module_name, norm_class, mlp_class = FUSED_MODEL_TYPES[model_type]
     module = importlib.import_module(module_name)
     module_wide = {name: getattr(module, name) for name in (norm_class, mlp_class, "apply_rotary_pos_emb")}
