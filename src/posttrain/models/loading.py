@@ -99,6 +99,23 @@ def local_model_dir(name_or_path: str, revision: str | None = None) -> Path | No
         return None
 
 
+def local_model_config(name_or_path: str, revision: str | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """The ``config.json`` path and contents of the local directory ``name_or_path`` names
+    (``local_model_dir``), read as JSON only, for the preflight; None when there is no such directory
+    or its config.json is missing, unreadable or not a JSON object (``check_model_path`` names those)."""
+    import json
+
+    model_dir = local_model_dir(name_or_path, revision)
+    if model_dir is None:
+        return None
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return (path, config) if isinstance(config, dict) else None
+
+
 def resolve_device(device: str) -> torch.device:
     """``auto`` is CUDA when a GPU is visible, else the CPU; asking for CUDA without one fails."""
     import torch

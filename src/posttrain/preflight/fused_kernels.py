@@ -16,11 +16,10 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import importlib.util
-import json
 
 from posttrain.config.schema import RunConfig
 from posttrain.models.fused_kernels import FUSED_MODEL_TYPES, INSTALL_HINT
-from posttrain.models.loading import local_model_dir
+from posttrain.models.loading import local_model_config
 from posttrain.preflight.findings import Findings
 
 OFF = "set model.fused_kernels=false"
@@ -50,16 +49,9 @@ def check_fused_kernels(cfg: RunConfig, out: Findings, cuda_major: int | None) -
         )
     if model.lora.enabled:
         out.errors.append(f"{head} with LoRA (model.lora.rank > 0) has not run here; {OFF}")
-    model_dir = local_model_dir(model.name_or_path, model.revision)
-    config = model_dir / "config.json" if model_dir is not None else None
-    if config is not None and config.is_file():
-        try:
-            fields = json.loads(config.read_text())
-        except (OSError, ValueError):
-            return  # the model-path check reports an unreadable config
-        model_type = fields.get("model_type") if isinstance(fields, dict) else None
-        if model_type not in FUSED_MODEL_TYPES:
-            out.errors.append(
-                f"{head}: {config} has model_type {model_type!r}; posttrain patches "
-                f"{', '.join(FUSED_MODEL_TYPES)} only; {OFF}"
-            )
+    found = local_model_config(model.name_or_path, model.revision)  # None: check_model_path names the problem
+    if found is not None and (model_type := found[1].get("model_type")) not in FUSED_MODEL_TYPES:
+        out.errors.append(
+            f"{head}: {found[0]} has model_type {model_type!r}; posttrain patches "
+            f"{', '.join(FUSED_MODEL_TYPES)} only; {OFF}"
+        )

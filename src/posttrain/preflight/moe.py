@@ -18,10 +18,8 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import json
-
 from posttrain.config.schema import GRPOConfig
-from posttrain.models.loading import local_model_dir
+from posttrain.models.loading import local_model_config
 from posttrain.preflight.findings import Findings
 
 KNOB = "rl.routing_replay=rollout"
@@ -64,14 +62,11 @@ def check_routing_replay(cfg: GRPOConfig, out: Findings) -> None:
             f"{KNOB} cannot be combined with model.compile=true: the pinning hooks and their per-micro-batch "
             "state would be traced into the compiled layers; set model.compile=false"
         )
-    model_dir = local_model_dir(cfg.model.name_or_path, cfg.model.revision)
-    if model_dir is None or not (model_dir / "config.json").is_file():
-        return  # check_model_path reports a missing model
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # check_model_path reports an unreadable config
-    if isinstance(config, dict) and not model_is_sparse_moe(config):
+    found = local_model_config(cfg.model.name_or_path, cfg.model.revision)
+    if found is None:
+        return  # check_model_path reports a missing or unreadable model
+    config = found[1]
+    if not model_is_sparse_moe(config):
         out.errors.append(
             f"{KNOB} needs a sparse-MoE policy, but model.name_or_path={cfg.model.name_or_path} is a dense "
             f"{config.get('model_type', 'model')} (its config.json declares no experts); "
