@@ -75,7 +75,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     cfg.rl.micro_batch_per_replica = args.micro_batch
     cfg.model.share_prompt_prefix = {"auto": "auto", "on": True, "off": False}[args.share_prefix]
     cfg.model.compile = args.compile
-    cfg.model.fused_kernels = args.fused_kernels
+    cfg.model.fused_kernels = {"auto": "auto", "on": True, "off": False}[args.fused_kernels]
     cfg.rl.optimizer.lr = args.lr
     cfg.rl.kl_beta = 0.0
     cfg.rollout.max_tokens = args.max_tokens
@@ -136,7 +136,7 @@ ARM_KEYS = {
     "sampler_logprobs_every": int,
     "sampler_logprobs_samples": lambda v: None if v in ("", "none", "null") else int(v),
     "compile": lambda v: v in ("1", "true", "yes"),
-    "fused_kernels": lambda v: v in ("1", "true", "yes"),
+    "fused_kernels": lambda v: v in ("1", "true", "yes"),  # turns them on (off cannot undo the patch)
 }
 
 
@@ -169,21 +169,26 @@ def run(
     trainer._old_logprobs = _timed(acc, "logprob_pass_s", trainer._old_logprobs)
     trainer._optimizer_step = _timed(acc, "optimizer_s", trainer._optimizer_step)
     results = []
-    compiled, fused = args.compile, args.fused_kernels
+    compiled, fused = args.compile, trainer.fused_kernels  # fused: as model.fused_kernels (auto) chose
     try:
         for name, arm in arms or [("run", args)]:
-            if arm.compile and not compiled:  # turned on from this arm on (it cannot be turned off again)
-                from posttrain.policy.trainer import compile_layers
-
-                compile_layers(trainer.model)
-                compiled = True
-            arm.compile = compiled
-            if arm.fused_kernels and not fused:  # likewise: Liger's kernels stay patched in
+            if arm.fused_kernels is True and not fused:  # turned on from this arm on: the patch stays in
                 from posttrain.models.fused_kernels import apply_fused_kernels
 
                 apply_fused_kernels(trainer.model)
                 fused = True
             arm.fused_kernels = fused
+            if arm.compile and not compiled:  # likewise: compiled layers stay compiled
+                if fused:  # what the preflight refuses a run (compiling through Liger's kernels)
+                    raise SystemExit(
+                        f"--arms: arm {name!r} compiles a model with Liger's kernels in; run it in a "
+                        "process of its own with --fused-kernels off"
+                    )
+                from posttrain.policy.trainer import compile_layers
+
+                compile_layers(trainer.model)
+                compiled = True
+            arm.compile = compiled
             cfg.rl.batch_per_replica = arm.prompts * arm.samples
             cfg.rl.micro_batch_per_replica = arm.micro_batch
             print(f"== arm {name}: {json.dumps({k: getattr(arm, k) for k in ARM_KEYS})}", flush=True)
@@ -436,7 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sleep", action="store_true", help="vLLM sleep mode: release its memory during the update")
     p.add_argument("--share-prefix", choices=["auto", "on", "off"], default="auto", help="model.share_prompt_prefix")
     p.add_argument("--compile", action="store_true", help="model.compile: torch.compile the decoder layers")
-    p.add_argument("--fused-kernels", action="store_true", help="model.fused_kernels: Liger's RMSNorm, SwiGLU, RoPE")
+    p.add_argument(
+        "--fused-kernels",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="model.fused_kernels (Liger's RMSNorm, SwiGLU, RoPE; auto: the shipped default, on for a CUDA llama "
+        "with liger-kernel installed); off to compare against an arm with fused_kernels=1",
+    )
     p.add_argument("--async-scheduling", action="store_true", help="vLLM async scheduling")
     p.add_argument("--off-policy", action="store_true", help="rl.max_off_policy_steps=1: sample k+1 while k trains")
     p.add_argument(

@@ -10,7 +10,8 @@
 # because a call returns only a few files):
 #   ours   workload W (0.4B shape, 32 prompts x 8 samples x 256 tokens) in one process on one engine:
 #          the request settings one by one, the cost growth in prompts (8 to 256) and at 64-token
-#          completions with the shipped settings, then W with compiled layers
+#          completions with the shipped settings, then W with compiled layers (a process of its own,
+#          model.fused_kernels off: Liger's patch cannot be undone, and auto leaves it out of compiled runs)
 #   more   one-step off-policy with the engine core in its own process; the 1.5B shape; TRL on W
 #   small  the default recipe's small step (ours with vLLM; TRL's on the same task), TRL at 1.5B
 #          (SKIP_TRL15=1 leaves it out), each fixed cost of that step alone (step_overheads.py), then
@@ -26,7 +27,7 @@
 #   share  model.share_prompt_prefix shared against plain: the update alone over sizes, the small job
 #   sharecheck  the update on either side of auto's GPU thresholds; the small job as shipped and TRL's
 #   big    the 1.5B shape, ours and TRL
-#   probe  W shipped, 128 prompts, compiled; W's generation alone, bare vLLM against ours, profiled;
+#   probe  W eager (the shipped settings before model.fused_kernels=auto), 128 prompts, compiled; W's generation alone, bare vLLM against ours, profiled;
 #          128 prompts and W with CUDA graphs captured up to 1,024 sequences (--cudagraph-max)
 #   tests  the GPU test files of the mixed-precision and in-place weight-load paths (smoke, vLLM, MoE, VL GRPO)
 #   launch why a compiled small update is no faster than an eager one (both ~0.10 s): the update alone
@@ -47,7 +48,8 @@
 #          from two processes run side by side instead of in time slices; then W compiled under MPS
 #   liger  Liger-Kernel's fused RMSNorm, SwiGLU and RoPE: the same numbers? then W's update eager against Liger
 #   fused  model.fused_kernels in whole steps: W, the small job's learning, the GPU test (Liger's wheel in .vxl)
-#   fused15  the 1.5B shape shipped and with model.fused_kernels
+#   fused15  the 1.5B shape eager and with model.fused_kernels
+#   fusedw the fused-kernels GPU tests, then W: TRL, ours eager and ours fused (packed after each)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -162,7 +164,10 @@ case "${1:-}" in
     device_info
     model 0.5b /tmp/m05
     (model 1.5b /tmp/m15 &)  # for `more`, meanwhile
-    step w "${W_TIMEOUT:-530}" --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --arms "$W_ARMS;$GROWTH_ARMS;$COMPILED_ARM" \
+    step w "${W_TIMEOUT:-480}" --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --arms "$W_ARMS;$GROWTH_ARMS" \
+      --out-dir "$R/w"
+    # compiled layers without Liger's kernels (model.fused_kernels=auto keeps them apart; the patch cannot be undone)
+    step w_compiled 150 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --fused-kernels off --arms "$COMPILED_ARM" \
       --out-dir "$R/w"
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null; ls "$R/w" ;;
   more)
@@ -213,7 +218,7 @@ case "${1:-}" in
     model 0.5b /tmp/m05
     (model 135m /tmp/m135 &)  # for `trl135`, meanwhile
     step probe 330 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --gen-probe --out-dir "$R/probe" \
-      --arms "shipped:steps=5,$SHIPPED;p128:steps=3,prompts=128,$SHIPPED;$COMPILED_ARM"
+      --fused-kernels off --arms "shipped:steps=5,$SHIPPED;p128:steps=3,prompts=128,$SHIPPED;$COMPILED_ARM"
     grep -E "^probe" "$R/probe.log"
     step graphs 200 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --cudagraph-max 1024 --out-dir "$R/graphs" \
       --arms "p128_graphs1024:steps=3,prompts=128,$SHIPPED;w_graphs1024:steps=4,$SHIPPED"
@@ -348,24 +353,38 @@ case "${1:-}" in
       --share off --repeats 3 --arms mixed,mixed_fused --out "$R/liger_update.json" 2>&1 | grep -E "update|Error" | cut -c1-300
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   fused)
-    # model.fused_kernels in whole steps: W shipped then fused (one process, one engine), the default
-    # recipe's small job shipped and fused (learning, 40 steps), the 1.5B shape fused, the GPU test
+    # model.fused_kernels in whole steps: W eager then fused (one process, one engine), the default
+    # recipe's small job eager and fused (learning, 40 steps), the GPU test
     environment
     device_info
     model 0.5b /tmp/m05
     step w_fused 300 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/fused" \
-      --arms "shipped:steps=5,$SHIPPED;fused:steps=5,fused_kernels=1,$SHIPPED"
-    small_job small_shipped 150
+      --fused-kernels off --arms "eager:steps=5,$SHIPPED;fused:steps=5,fused_kernels=1,$SHIPPED"
+    small_job small_eager 200 model.fused_kernels=false
     small_job small_fused 150 model.fused_kernels=true
     POSTTRAIN_GPU_TEST_REPORT=$R/fused_gpu_test.json timeout 120 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
       tests/gpu/test_fused_kernels_gpu.py >"$R/fused_gpu_test.log" 2>&1; echo "fused gpu test rc=$?"; tail -2 "$R/fused_gpu_test.log"
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  fusedw)
+    # the fused-kernels GPU tests, then W with TRL, eager and fused in one lease (packed after each)
+    environment
+    device_info
+    (model 0.5b /tmp/m05 &)
+    POSTTRAIN_GPU_TEST_REPORT=$R/fused_gpu_test.json timeout 150 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+      tests/gpu/test_fused_kernels_gpu.py >"$R/fused_gpu_test.log" 2>&1; echo "fused gpu test rc=$?"; tail -2 "$R/fused_gpu_test.log"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    model 0.5b /tmp/m05
+    trl w 150 /tmp/m05 32,8,256
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    step w_fusedw 240 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/fusedw" \
+      --fused-kernels off --arms "eager:steps=5,$SHIPPED;fused:steps=5,fused_kernels=1,$SHIPPED"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   fused15)
-    # the 1.5B shape shipped then with model.fused_kernels (one process, one engine)
+    # the 1.5B shape eager then with model.fused_kernels (one process, one engine)
     environment
     model 1.5b /tmp/m15
     step w15_fused 300 --model /tmp/m15 --micro-batch 32 --out-dir "$R/fused15" \
-      --arms "shipped:steps=4,$SHIPPED;fused:steps=4,fused_kernels=1,$SHIPPED"
+      --fused-kernels off --arms "eager:steps=4,$SHIPPED;fused:steps=4,fused_kernels=1,$SHIPPED"
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;

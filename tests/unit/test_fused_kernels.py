@@ -1,6 +1,7 @@
-"""``model.fused_kernels`` on a machine without a GPU: the preflight's rules (``preflight/fused_kernels.py``),
-all before any model loads and each naming what to change, and the patch's own refusals and CPU
-path (``models/fused_kernels.py``). The kernels themselves run in ``tests/gpu/test_fused_kernels_gpu.py``."""
+"""``model.fused_kernels`` on a machine without a GPU: the preflight's rules for ``true``
+(``preflight/fused_kernels.py``), all before any model loads and each naming what to change; what
+``auto`` (the default) chooses for a loaded policy; the patch's own refusals and CPU path
+(``models/fused_kernels.py``). The kernels themselves run in ``tests/gpu/test_fused_kernels_gpu.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from posttrain.config.loading import build_config
 from posttrain.errors import PosttrainError
-from posttrain.models.fused_kernels import apply_fused_kernels, rope_by_device
+from posttrain.models import fused_kernels
+from posttrain.models.fused_kernels import apply_fused_kernels, fused_kernels_choice, rope_by_device
 from posttrain.preflight import fused_kernels as preflight
 from posttrain.preflight.findings import Findings
 from posttrain.preflight.grpo import grpo_preflight
@@ -29,9 +31,62 @@ def _errors(
     return findings.errors
 
 
-def test_off_by_default_and_then_nothing_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert build_config(None, []).model.fused_kernels is False
+def test_auto_by_default_and_then_nothing_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert build_config(None, []).model.fused_kernels == "auto"
     assert _errors("model.device=cpu", cuda_major=None, liger=False, monkeypatch=monkeypatch) == []
+    assert _errors("model.compile=true", "model.lora.rank=8", liger=False, monkeypatch=monkeypatch) == []
+    assert _errors("model.fused_kernels=false", "model.device=cpu", monkeypatch=monkeypatch) == []
+
+
+def _choice(*overrides: str, model_type: str | None = "llama", device: str = "cuda") -> tuple[bool, str]:
+    return fused_kernels_choice(build_config(None, list(overrides)).model, model_type, device)
+
+
+def test_auto_patches_a_cuda_llama_when_liger_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_kernels, "liger_installed", lambda: True)
+    assert _choice() == (True, "model.fused_kernels=auto: on (llama on CUDA with Liger-Kernel)")
+    assert _choice(model_type="qwen3")[0] is True
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        (([], "llama", "cpu", True), "the policy is on cpu, not CUDA"),
+        (([], "qwen3_moe", "cuda", True), "model_type 'qwen3_moe' is not one posttrain patches"),
+        ((["model.compile=true"], "llama", "cuda", True), "model.compile=true fuses the same work"),
+        ((["model.lora.rank=8"], "llama", "cuda", True), "LoRA is on"),
+        (([], "llama", "cuda", False), "liger-kernel is not installed (pip install liger-kernel"),
+    ],
+)
+def test_auto_stays_off_where_the_kernels_have_not_run_and_says_why(
+    case: tuple[list[str], str, str, bool], why: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    overrides, model_type, device, liger = case  # the overrides, the loaded policy, liger-kernel installed
+    monkeypatch.setattr(fused_kernels, "liger_installed", lambda: liger)
+    on, note = _choice(*overrides, model_type=model_type, device=device)
+    assert on is False and note.startswith(f"model.fused_kernels=auto: off, {why}"), note
+
+
+def test_true_and_false_are_taken_as_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_kernels, "liger_installed", lambda: False)
+    assert _choice(ON, device="cpu") == (True, ON)  # the preflight has refused it before this point
+    assert _choice("model.fused_kernels=false") == (False, "model.fused_kernels=false")
+
+
+def test_a_cpu_trainer_leaves_auto_off(tiny_model_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.policy.objective import grpo_objective
+    from posttrain.policy.trainer import PolicyTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    cfg = build_config(None, [f"model.name_or_path={tiny_model_dir}"])
+    trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=0)
+    assert (trainer.fused_kernels, trainer.fused_kernels_note) == (
+        False,
+        "model.fused_kernels=auto: off, the policy is on cpu, not CUDA",
+    )
+    assert "forward" not in vars(model.model.layers[0].mlp)  # no instance patched (Liger binds one there)
 
 
 def test_a_cuda_policy_with_liger_installed_passes(monkeypatch: pytest.MonkeyPatch, model_dir: Path) -> None:

@@ -97,10 +97,10 @@ class ModelConfig(Section):
     """``torch.compile`` each decoder layer (dynamic shapes) for the update: on one H200 28 % less time at 0.4B,
     23 % at 1.5B, for 5-10 s on the first step; off for short jobs, and ``share_prompt_prefix=auto`` then never
     shares (docs/benchmarks.md). For ``rollout.backend=vllm``; refused for vision-language and routing replay."""
-    fused_kernels: bool = False
-    """Liger-Kernel's Triton RMSNorm, SwiGLU and RoPE in the policy (``pip install liger-kernel``; CUDA; llama,
-    qwen2, qwen3): one H200's 0.4B update 0.85 -> 0.61 s, like ``model.compile`` without its compile, as accurate
-    as eager (docs/benchmarks.md). Refused with ``model.compile`` and LoRA (``models/fused_kernels.py``)."""
+    fused_kernels: bool | Literal["auto"] = "auto"
+    """Liger-Kernel's Triton RMSNorm, SwiGLU, RoPE in the policy: one H200's update 0.85 -> 0.63 s at 0.4B, 1.94 -> 1.55
+    at 1.5B, as accurate as eager. ``auto``: on for a CUDA llama/qwen2/qwen3 policy when liger-kernel is installed
+    (setup.sh adds it on a GPU), unless ``model.compile`` or LoRA; ``true`` refuses what that lacks."""
     logprob_chunk_tokens: int = Field(1024, ge=16)
     """Tokens per chunk when computing per-token logprobs; bounds the fp32 [tokens, vocab] buffer."""
     lora: LoraConfig = Field(default_factory=LoraConfig)

@@ -153,8 +153,10 @@ def start_run(cfg: RunConfig, argv: list[str], objective: Objective) -> Run:
     roles = Roles(data=data, engine=engine, reward=reward, tokenizer=tokenizer, vision=sampler, prompt_budget=budget)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = PolicyTrainer(model, cfg, objective=objective, pad_id=pad_id, ref_model=reference)
-    if cfg.model.fused_kernels:
-        log.info("model.fused_kernels: the policy's RMSNorm, SwiGLU and RoPE run Liger-Kernel's Triton kernels")
+    if trainer.fused_kernels:
+        log.info(f"{trainer.fused_kernels_note}: the policy's RMSNorm, SwiGLU, RoPE run Liger-Kernel's Triton kernels")
+    elif trainer.device.type == "cuda":  # on the CPU they never run: no line
+        log.info(trainer.fused_kernels_note)
     return Run(cfg, run_dir, log, roles, trainer, resume_identity(cfg), tokenizer, Cells(dp.cell, dp.size))
 
 

@@ -7,6 +7,11 @@ kernel. On one H200, workload W's update (0.4B Llama, 32 x 8 x 300 tokens) took 
 0.85 s, as fast as ``model.compile`` without its first-step compile, and its logprobs and gradients
 were as close to an fp32 forward as eager bf16 autocast's (docs/benchmarks.md, twelfth session).
 
+The default, ``auto``, patches a CUDA policy of a type listed below when liger-kernel is installed
+(``scripts/setup.sh`` installs it on a machine with a GPU) and neither ``model.compile`` nor LoRA is
+on (``fused_kernels_choice``); whole steps of W took 1.93 s instead of 2.30 (docs/benchmarks.md,
+thirteenth session).
+
 Liger's ``apply_liger_kernel_to_<type>(model=...)`` patches the given model's modules in place, and
 also replaces the RMSNorm and MLP classes and the rotary function in the transformers module of that
 type, for every later model of it. That module-wide half is undone here, so a teacher built later
@@ -21,6 +26,7 @@ the state dict are unchanged, so checkpoints and weight sync do not see the patc
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -29,6 +35,8 @@ from posttrain.errors import PosttrainError
 
 if TYPE_CHECKING:  # the preflight reads the constants below without importing torch
     from torch import Tensor, nn
+
+    from posttrain.config.schema import ModelConfig
 
 # The text models whose Liger patch posttrain applies: dense decoders built from the three fused
 # blocks. The transformers module of each, and its RMSNorm and MLP class names (restored after the
@@ -39,6 +47,43 @@ FUSED_MODEL_TYPES: dict[str, tuple[str, str, str]] = {
     "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm", "Qwen3MLP"),
 }
 INSTALL_HINT = "pip install liger-kernel, or posttrain's fused-kernels extra (Triton comes with CUDA torch)"
+
+
+# vLLM colocated in this process hooks Triton process-wide after its warm-up and warns of each later
+# first compile as an inference latency spike (vllm/utils/jit_monitor.py). The fused kernels compile
+# in the first update, which is no such spike: those warnings are dropped (vLLM's own stay).
+VLLM_JIT_LOGGER = "vllm.utils.jit_monitor"
+
+
+class DropCompileWarningsOf(logging.Filter):
+    """Drops the log records whose arguments name one of ``kernel_names`` (vLLM's JIT monitor passes
+    the compiled function's name as an argument of its warning)."""
+
+    def __init__(self, kernel_names: frozenset[str]):
+        super().__init__()
+        self.kernel_names = kernel_names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not any(isinstance(arg, str) and arg in self.kernel_names for arg in args)
+
+
+def liger_kernel_names() -> frozenset[str]:
+    """The Triton kernels behind the patched blocks, by function name (``@triton.jit`` and
+    ``@triton.autotune`` wrap a function as ``.fn``)."""
+    from liger_kernel.ops import rms_norm, rope, swiglu
+
+    def is_kernel(obj: object) -> bool:
+        return type(obj).__module__.startswith("triton") and hasattr(obj, "fn")
+
+    return frozenset(name for m in (rms_norm, rope, swiglu) for name, obj in vars(m).items() if is_kernel(obj))
+
+
+def drop_vllm_compile_warnings(kernel_names: frozenset[str]) -> None:
+    """Keep vLLM's JIT monitor quiet about ``kernel_names`` in this process (a filter on its logger, once)."""
+    jit_log = logging.getLogger(VLLM_JIT_LOGGER)
+    if not any(isinstance(f, DropCompileWarningsOf) for f in jit_log.filters):
+        jit_log.addFilter(DropCompileWarningsOf(kernel_names))
 
 
 def rope_by_device(original: Callable[..., Any], fused: Callable[..., Any]) -> Callable[..., Any]:
@@ -55,6 +100,33 @@ def fusable(model: nn.Module) -> bool:
     """Whether ``apply_fused_kernels`` patches ``model``: a type it knows, on CUDA."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     return model_type in FUSED_MODEL_TYPES and next(model.parameters()).device.type == "cuda"
+
+
+def liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def fused_kernels_choice(model_cfg: ModelConfig, model_type: str | None, device_type: str) -> tuple[bool, str]:
+    """``model.fused_kernels`` for a loaded policy of ``model_type`` on ``device_type``: whether to
+    patch it, and why (for the log).
+
+    ``true`` and ``false`` are taken as set (the preflight refused a ``true`` that cannot run).
+    ``auto`` patches only where the kernels have run here: a policy of a type in
+    ``FUSED_MODEL_TYPES`` on CUDA, liger-kernel installed, without ``model.compile`` (both fuse the
+    same work) and without LoRA."""
+    if model_cfg.fused_kernels != "auto":
+        return bool(model_cfg.fused_kernels), f"model.fused_kernels={str(model_cfg.fused_kernels).lower()}"
+    reasons_off = [
+        (device_type != "cuda", f"the policy is on {device_type}, not CUDA"),
+        (model_type not in FUSED_MODEL_TYPES, f"model_type {model_type!r} is not one posttrain patches"),
+        (model_cfg.compile, "model.compile=true fuses the same work"),
+        (model_cfg.lora.enabled, "LoRA is on"),
+        (not liger_installed(), f"liger-kernel is not installed ({INSTALL_HINT})"),
+    ]
+    for off, why in reasons_off:
+        if off:
+            return False, f"model.fused_kernels=auto: off, {why}"
+    return True, f"model.fused_kernels=auto: on ({model_type} on CUDA with Liger-Kernel)"
 
 
 def apply_fused_kernels(model: nn.Module) -> str:
@@ -77,6 +149,7 @@ def apply_fused_kernels(model: nn.Module) -> str:
     # Liger looks for optional backends (CuTe DSL, Ascend) at the first call and logs a WARNING with
     # an ImportError for each one absent; the Triton backend it then runs needs neither.
     logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
+    drop_vllm_compile_warnings(liger_kernel_names())
     module_name, norm_class, mlp_class = FUSED_MODEL_TYPES[model_type]
     module = importlib.import_module(module_name)
     module_wide = {name: getattr(module, name) for name in (norm_class, mlp_class, "apply_rotary_pos_emb")}

@@ -22,7 +22,7 @@ from posttrain.config.schema import RunConfig
 from posttrain.distributed.cells import cell_config
 from posttrain.distributed.fsdp import DataParallel, first_nonfinite, largest_entry, mixed_forward
 from posttrain.errors import PosttrainError, TrainingError
-from posttrain.models.fused_kernels import apply_fused_kernels, fusable
+from posttrain.models.fused_kernels import apply_fused_kernels, fusable, fused_kernels_choice
 from posttrain.models.precision import compute_weights, dtype_name, resolve_precision
 from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_micro_batches
 from posttrain.policy.images import (
@@ -146,7 +146,11 @@ class PolicyTrainer:
         self.routing = RoutingReplay(cfg.rl.routing_replay == "rollout", model, self.device)
         if cfg.model.compile:
             compile_layers(model)
-        if cfg.model.fused_kernels:  # Liger's RMSNorm, SwiGLU, RoPE; the preflight refused it with compile
+        # Liger's RMSNorm, SwiGLU, RoPE (models/fused_kernels.py); the note says why on or off, for the log
+        self.fused_kernels, self.fused_kernels_note = fused_kernels_choice(
+            cfg.model, getattr(model.config, "model_type", None), self.device.type
+        )
+        if self.fused_kernels:
             apply_fused_kernels(model)
             if ref_model is not None and fusable(ref_model):  # the same kernels: equal logprobs at step 0
                 apply_fused_kernels(ref_model)

@@ -1,5 +1,6 @@
-"""The ``model.fused_kernels`` rules (Liger-Kernel's Triton RMSNorm, SwiGLU and RoPE;
-``models/fused_kernels.py``), checked before any model loads:
+"""The ``model.fused_kernels=true`` rules (Liger-Kernel's Triton RMSNorm, SwiGLU and RoPE;
+``models/fused_kernels.py``), checked before any model loads (``auto``, the default, is never refused:
+``fused_kernels_choice`` turns it off where one of these fails):
 
 * a CUDA policy: ``model.device=cpu``, or ``auto`` where torch is a CPU build, is refused (Triton
   kernels run on CUDA only);
@@ -15,24 +16,18 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import importlib.util
-
 from posttrain.config.schema import RunConfig
-from posttrain.models.fused_kernels import FUSED_MODEL_TYPES, INSTALL_HINT
+from posttrain.models.fused_kernels import FUSED_MODEL_TYPES, INSTALL_HINT, liger_installed
 from posttrain.models.loading import local_model_config
 from posttrain.preflight.findings import Findings
 
 OFF = "set model.fused_kernels=false"
 
 
-def liger_installed() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None
-
-
 def check_fused_kernels(cfg: RunConfig, out: Findings, cuda_major: int | None) -> None:
     """``cuda_major``: the CUDA major version torch is built for, None for a CPU build."""
     model = cfg.model
-    if not model.fused_kernels:
+    if model.fused_kernels is not True:  # auto turns itself off where these would refuse it
         return
     head = "model.fused_kernels=true"
     if model.device == "cpu" or (model.device == "auto" and cuda_major is None):
