@@ -29,7 +29,8 @@
 #   big    the 1.5B shape, ours and TRL
 #   probe  W eager (the shipped settings before model.fused_kernels=auto), 128 prompts, compiled; W's generation alone, bare vLLM against ours, profiled;
 #          128 prompts and W with CUDA graphs captured up to 1,024 sequences (--cudagraph-max)
-#   tests  the GPU test files of the mixed-precision and in-place weight-load paths (smoke, vLLM, MoE, VL GRPO)
+#   tests  the GPU test files whose llama policies model.fused_kernels=auto patches (fused kernels, smoke,
+#          vLLM, checkpoint); testsmv the MoE and VL GRPO ones
 #   launch why a compiled small update is no faster than an eager one (both ~0.10 s): the update alone
 #          at the default recipe's size, eager, compiled per layer and per layer with CUDA graphs, each
 #          profiled (GPU busy time against wall time), on the 135M shape and on its 30 layers at width
@@ -223,12 +224,15 @@ case "${1:-}" in
     step graphs 200 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --cudagraph-max 1024 --out-dir "$R/graphs" \
       --arms "p128_graphs1024:steps=3,prompts=128,$SHIPPED;w_graphs1024:steps=4,$SHIPPED"
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
-  tests)
-    # the GPU test files the precision change (models/precision.compute_weights) and the in-place
-    # weight load (rollout/vllm_weight_load.py) touch, each in a pytest process of its own
+  tests|testsmv)
+    # the GPU test files, each in a pytest process of its own: `tests` those whose llama policies
+    # model.fused_kernels=auto now patches (with liger-kernel from .vxl), `testsmv` the MoE and
+    # vision-language ones (auto leaves those types plain)
     environment
     mkdir -p "$R/tests"
-    for f in gpu_smoke:60 vllm_gpu:150 moe_gpu:150 vl_grpo_gpu:170; do
+    files="fused_kernels_gpu:120 gpu_smoke:60 vllm_gpu:150 checkpoint_gpu:150"
+    [ "$1" = testsmv ] && files="moe_gpu:150 vl_grpo_gpu:170"
+    for f in $files; do
       name=${f%%:*}
       POSTTRAIN_GPU_TEST_REPORT=$R/tests/$name.json timeout "${f##*:}" python3 -m pytest -m gpu -q -s -p no:cacheprovider "tests/gpu/test_$name.py" \
         >"$R/tests/$name.log" 2>&1
@@ -389,6 +393,6 @@ case "${1:-}" in
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)
-    for part in ours more small seqs trl trlgrid trl256 trl2048 trl135 share sharecheck big probe tests launch largest graphs sharelong mps table; do bash "$0" "$part"; done ;;
+    for part in ours more small seqs trl trlgrid trl256 trl2048 trl135 share sharecheck big probe tests testsmv launch largest graphs sharelong mps table; do bash "$0" "$part"; done ;;
   *) sed -n 2,33p "$0"; exit 2 ;;
 esac

@@ -111,9 +111,8 @@ def fused_kernels_choice(model_cfg: ModelConfig, model_type: str | None, device_
     patch it, and why (for the log).
 
     ``true`` and ``false`` are taken as set (the preflight refused a ``true`` that cannot run).
-    ``auto`` patches only where the kernels have run here: a policy of a type in
-    ``FUSED_MODEL_TYPES`` on CUDA, liger-kernel installed, without ``model.compile`` (both fuse the
-    same work) and without LoRA."""
+    ``auto`` patches a policy of a type in ``FUSED_MODEL_TYPES`` on CUDA with liger-kernel installed,
+    without ``model.compile`` (both fuse the same work) and without LoRA (not run together here)."""
     if model_cfg.fused_kernels != "auto":
         return bool(model_cfg.fused_kernels), f"model.fused_kernels={str(model_cfg.fused_kernels).lower()}"
     reasons_off = [
