@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def _choice(*overrides: str, model_type: str | None = "llama", device: str = "cu
 
 
 def test_auto_patches_a_cuda_llama_when_liger_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused_kernels, "liger_installed", lambda: True)
+    monkeypatch.setattr(fused_kernels, "liger_import_error", lambda: None)
     assert _choice() == (True, "model.fused_kernels=auto: on (llama on CUDA with Liger-Kernel)")
     assert _choice(model_type="qwen3")[0] is True
 
@@ -56,6 +57,7 @@ def test_auto_patches_a_cuda_llama_when_liger_is_installed(monkeypatch: pytest.M
         ((["model.compile=true"], "llama", "cuda", True), "model.compile=true fuses the same work"),
         ((["model.lora.rank=8"], "llama", "cuda", True), "LoRA is on"),
         (([], "llama", "cuda", False), "liger-kernel is not installed (pip install liger-kernel"),
+        (([], "llama", "cuda", True), "liger-kernel does not import (ModuleNotFoundError: "),
     ],
 )
 def test_auto_stays_off_where_the_kernels_have_not_run_and_says_why(
@@ -63,6 +65,7 @@ def test_auto_stays_off_where_the_kernels_have_not_run_and_says_why(
 ) -> None:
     overrides, model_type, device, liger = case  # the overrides, the loaded policy, liger-kernel installed
     monkeypatch.setattr(fused_kernels, "liger_installed", lambda: liger)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)  # installed, it does not import here
     on, note = _choice(*overrides, model_type=model_type, device=device)
     assert on is False and note.startswith(f"model.fused_kernels=auto: off, {why}"), note
 

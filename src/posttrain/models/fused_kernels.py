@@ -106,6 +106,17 @@ def liger_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
+def liger_import_error() -> str | None:
+    """None when Liger-Kernel's transformers patches import here, else why not (for ``auto``'s log)."""
+    if not liger_installed():
+        return f"liger-kernel is not installed ({INSTALL_HINT})"
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except Exception as exc:  # a broken install, or a Triton that does not load here: auto stays off
+        return f"liger-kernel does not import ({type(exc).__name__}: {exc})"
+    return None
+
+
 def fused_kernels_choice(model_cfg: ModelConfig, model_type: str | None, device_type: str) -> tuple[bool, str]:
     """``model.fused_kernels`` for a loaded policy of ``model_type`` on ``device_type``: whether to
     patch it, and why (for the log).
@@ -120,11 +131,10 @@ def fused_kernels_choice(model_cfg: ModelConfig, model_type: str | None, device_
         (model_type not in FUSED_MODEL_TYPES, f"model_type {model_type!r} is not one posttrain patches"),
         (model_cfg.compile, "model.compile=true fuses the same work"),
         (model_cfg.lora.enabled, "LoRA is on"),
-        (not liger_installed(), f"liger-kernel is not installed ({INSTALL_HINT})"),
     ]
-    for off, why in reasons_off:
-        if off:
-            return False, f"model.fused_kernels=auto: off, {why}"
+    why_off = next((why for off, why in reasons_off if off), None) or liger_import_error()  # imports last
+    if why_off is not None:
+        return False, f"model.fused_kernels=auto: off, {why_off}"
     return True, f"model.fused_kernels=auto: on ({model_type} on CUDA with Liger-Kernel)"
 
 
