@@ -24,6 +24,7 @@ import io
 import random
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,23 +48,24 @@ def _png(rng: random.Random) -> bytes:
     return buf.getvalue()
 
 
-def warm_up(model_dir: str, steps: int, *, seed: int = 0, lr: float = 3e-3) -> Any:
-    """The model of ``model_dir`` after ``steps`` teacher-forced answers (see the module docstring)."""
+def train_on_answers(model_dir: str, steps: int, example: Callable[[], tuple[bytes, str]], *, lr: float) -> Any:
+    """The Qwen3-VL of ``model_dir`` after ``steps`` teacher-forced answers, one a step: ``example()``
+    gives a PNG and the answer to ``QUESTION`` about it; the loss is on ``"<answer><|im_end|>"`` only.
+    Shared by this demo's format warm-up and the OPD demo's teacher (``models/vl_opd_demo.py``)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     from posttrain.models.vision import VisionProcessor
 
     processor = VisionProcessor.from_dir(model_dir)
-    tokenizer = processor.tokenizer
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    rng = random.Random(f"posttrain-vl-demo:{seed}")
     model.train()
     for _ in range(steps):
-        content = [{"type": "image", "image": _png(rng)}, {"type": "text", "text": QUESTION}]
+        png, answer_text = example()
+        content = [{"type": "image", "image": png}, {"type": "text", "text": QUESTION}]
         prompt = processor.render([{"role": "user", "content": content}])
-        answer = tokenizer(f"{rng.randint(1, 5)}<|im_end|>", add_special_tokens=False)["input_ids"]
+        answer = processor.tokenizer(f"{answer_text}<|im_end|>", add_special_tokens=False)["input_ids"]
         ids = torch.tensor([prompt.input_ids + answer])
         labels = ids.clone()
         labels[0, : len(prompt.input_ids)] = -100  # the loss is on the answer only
@@ -79,6 +81,13 @@ def warm_up(model_dir: str, steps: int, *, seed: int = 0, lr: float = 3e-3) -> A
         optimizer.zero_grad(set_to_none=True)
     model.eval()
     return model
+
+
+def warm_up(model_dir: str, steps: int, *, seed: int = 0, lr: float = 3e-3) -> Any:
+    """The model of ``model_dir`` after ``steps`` answers in the task's format, each a count drawn
+    uniformly from 1..5 beside a plain coloured image (see the module docstring)."""
+    rng = random.Random(f"posttrain-vl-demo:{seed}")
+    return train_on_answers(model_dir, steps, lambda: (_png(rng), str(rng.randint(1, 5))), lr=lr)
 
 
 def make_vl_demo(out: Path, *, warmup_steps: int = 150) -> Path:

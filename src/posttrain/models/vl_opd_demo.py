@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.models.embedded import default_cache_root
-from posttrain.models.vl_demo import QUESTION
+from posttrain.models.vl_demo import train_on_answers
 
 TEACHER = "teacher"
 STUDENT = "student"
-QUESTION_PART = {"type": "text", "text": QUESTION}
 
 
 def vl_opd_demo_dir() -> Path:
@@ -58,35 +57,13 @@ def squares_png(rng: random.Random) -> tuple[bytes, int]:
 
 def train_on_counts(model_dir: str, steps: int, *, seed: int = 0, lr: float = 3e-3) -> Any:
     """The model of ``model_dir`` after ``steps`` teacher-forced true-count answers."""
-    import torch
-    from transformers import AutoModelForImageTextToText
-
-    from posttrain.models.vision import VisionProcessor
-
-    processor = VisionProcessor.from_dir(model_dir)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(f"posttrain-vl-opd-demo:{seed}")
-    model.train()
-    for _ in range(steps):
+
+    def example() -> tuple[bytes, str]:
         png, k = squares_png(rng)
-        prompt = processor.render([{"role": "user", "content": [{"type": "image", "image": png}, QUESTION_PART]}])
-        answer = processor.tokenizer(f"{k}<|im_end|>", add_special_tokens=False)["input_ids"]
-        ids = torch.tensor([prompt.input_ids + answer])
-        labels = ids.clone()
-        labels[0, : len(prompt.input_ids)] = -100  # the loss is on the answer only
-        out = model(
-            input_ids=ids,
-            labels=labels,
-            pixel_values=prompt.pixel_values_P,
-            image_grid_thw=prompt.image_grid_thw_I3,
-            mm_token_type_ids=(ids == processor.image_pad_id).int(),
-        )
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    model.eval()
-    return model
+        return png, str(k)
+
+    return train_on_answers(model_dir, steps, example, lr=lr)
 
 
 def truncate_text_layers(model_dir: str, out: str, layers: int) -> str:
