@@ -69,6 +69,18 @@ def test_unknown_key_suggests_nearest_and_all_problems_reported_together() -> No
     assert any(p.startswith("rl.epsilon_low='x'") for p in problems)
 
 
+def test_a_value_no_member_of_a_union_takes_is_one_problem_naming_each_form() -> None:
+    with pytest.raises(ConfigError) as info:
+        build_config(None, ["model.fused_kernels=maybe", "model.share_prompt_prefix=7", "rl.foo-bar=1", "rl.baz=1"])
+    problems = info.value.problems
+    assert len(problems) == 4, problems
+    assert "model.fused_kernels='maybe': Input should be a valid boolean or 'auto'" in problems
+    assert "model.share_prompt_prefix=7: Input should be a valid boolean or 'auto'" in problems
+    # two unknown keys of one section with one value are not taken for a union's members
+    assert any(p.startswith("unknown key 'rl.foo-bar'") for p in problems), problems
+    assert any(p.startswith("unknown key 'rl.baz'") for p in problems), problems
+
+
 def test_every_field_is_documented() -> None:
     """Each field carries a description (docs/config.md is generated from them)."""
 

@@ -32,6 +32,7 @@ from typing import Any, TypeVar, get_args, overload
 
 from pydantic import BaseModel, ValidationError
 
+from posttrain.config.error_text import error_message, merge_union_errors, value_hint
 from posttrain.config.schema import GRPOConfig, RunConfig
 from posttrain.config.yaml_values import OverrideValueError, dump_document, parse_document, parse_value
 from posttrain.errors import ConfigError
@@ -381,48 +382,13 @@ def _section_prefixes(model: type[BaseModel], prefix: str = "") -> dict[str, str
     return found
 
 
-_SEXAGESIMAL = re.compile(r"^[-+]?[0-9]+(?::[0-5]?[0-9])+$")
-
-
-def _value_hint(err: Mapping[str, Any]) -> str:
-    """What to write instead, where the error alone does not say."""
-    value = err.get("input")
-    if err["type"] in ("int_parsing", "float_parsing") and isinstance(value, str) and _SEXAGESIMAL.match(value):
-        sign = -1 if value.startswith("-") else 1
-        total = 0
-        for part in value.lstrip("+-").split(":"):
-            total = total * 60 + int(part)
-        return f" (override values are YAML 1.2, which reads no base-60 numbers: write {sign * total})"
-    if err["type"] == "finite_number":
-        return " (no setting takes inf or nan: write a finite number)"
-    return ""
-
-
-_BOUNDS = {
-    "greater_than": "greater than",
-    "greater_than_equal": "greater than or equal to",
-    "less_than": "less than",
-    "less_than_equal": "less than or equal to",
-}
-
-
-def _message(err: Mapping[str, Any]) -> str:
-    """Pydantic's message, with a bound written as Python writes it (``1e-30``; pydantic spells
-    every digit)."""
-    words, ctx = _BOUNDS.get(err["type"]), err.get("ctx") or {}
-    bound = next(iter(ctx.values()), None)
-    if words is not None and isinstance(bound, int | float):
-        return f"Input should be {words} {bound!r}"
-    return str(err["msg"])
-
-
 def format_validation_error(exc: ValidationError, model: type[BaseModel] = GRPOConfig) -> list[str]:
     """Pydantic errors as ``field=value: what is wrong`` lines, with the full dotted key also when a
     recipe assigned one field of a section (the error then names only the field)."""
     prefix = _section_prefixes(model).get(exc.title, "")
     lines = []
     short: dict[str, tuple[int, Any, list[int]]] = {}  # tuple key -> (its line, value, missing positions)
-    for err in exc.errors():
+    for err in merge_union_errors(exc.errors()):
         loc = prefix + ".".join(str(part) for part in err["loc"])
         if err["type"] in ("extra_forbidden", "no_such_attribute"):
             lines.append(_unknown_key_message(loc, model))
@@ -437,7 +403,7 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel] = GRPOC
             short[key][2].append(err["loc"][-1])
             continue
         value_text = "{...}" if isinstance(value, dict) else shown(value)
-        lines.append(f"{loc}={value_text}: {_message(err)}{_value_hint(err)}")
+        lines.append(f"{loc}={value_text}: {error_message(err)}{value_hint(err)}")
     for key, (line, value, missing) in short.items():
         where = f"position{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
         lines[line] = f"{key}={shown(value)}: too few values (none at {where}, counting from 0)"
