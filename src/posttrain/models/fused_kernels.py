@@ -140,8 +140,8 @@ def fused_kernels_choice(model_cfg: ModelConfig, model_type: str | None, device_
 
 def apply_fused_kernels(model: nn.Module) -> str:
     """Patch ``model``'s RMSNorms, MLPs and rotary embedding with Liger's kernels, in place; returns
-    the model type. The preflight has checked the device, the type and the install; this refuses
-    them again for a model built outside a run."""
+    the model type. In a run the preflight (``true``) or ``fused_kernels_choice`` (``auto``) has
+    checked the device, the type and the install; this refuses them again for a model built outside one."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FUSED_MODEL_TYPES:
         raise PosttrainError(
