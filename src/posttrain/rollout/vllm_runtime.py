@@ -101,3 +101,14 @@ def cudagraph_args(capture_max: int | None, cuda: bool) -> dict[str, Any]:
     if capture_max is None or not cuda:
         return {}
     return {"compilation_config": {"max_cudagraph_capture_size": capture_max}}
+
+
+def cuda_attention_backend(requested: str | None, dtype: str) -> dict[str, Any]:
+    """The ``attention_backend`` argument of a vLLM engine on CUDA. ``auto`` picks vLLM's own
+    FlashAttention build (the device's vLLM 0.24 set has no FlashInfer), which takes bf16/fp16 only:
+    a float32 engine (``model.compute_dtype=float32``) is left to vLLM's choice of a backend that
+    accepts its dtype (asked for by name, FLASH_ATTN refuses it: ``dtype not supported``)."""
+    backend = requested
+    if requested == "auto":
+        backend = None if dtype in ("float32", "fp32") else "FLASH_ATTN"
+    return {} if backend is None else {"attention_backend": backend}

@@ -42,7 +42,12 @@ class VLLMTeacher:
         engine_args: Mapping[str, Any] | None = None,
     ) -> None:
         from posttrain.rollout.vllm_moe import moe_backend_args
-        from posttrain.rollout.vllm_runtime import build_llm, choose_engine_core_process, import_vllm
+        from posttrain.rollout.vllm_runtime import (
+            build_llm,
+            choose_engine_core_process,
+            cuda_attention_backend,
+            import_vllm,
+        )
 
         vllm = import_vllm()
         self.engine_threads = torch.get_num_threads()
@@ -59,8 +64,8 @@ class VLLMTeacher:
                 max_model_len=max_model_len,
                 dtype=dtype,
                 enable_prefix_caching=False,
-                # the rollout engine's choice on CUDA (docs/vllm.md: the device's vLLM has no FlashInfer)
-                **({"attention_backend": "FLASH_ATTN"} if torch.cuda.is_available() else {}),
+                # the rollout engine's choice on CUDA (FLASH_ATTN for bf16/fp16; vLLM's own for fp32)
+                **(cuda_attention_backend("auto", dtype) if torch.cuda.is_available() else {}),
                 **moe_backend_args(moe_backend),  # rl.teacher.moe_backend: nothing for auto
                 **(engine_args or {}),  # a tensor-parallel teacher lane's launcher (teacher/pool.py)
             )
