@@ -140,7 +140,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--shape", default="135m", help="a body of make_random_model.py's SHAPES (0.5b, 1.5b, ...)")
+    from make_random_model import SHAPES
+
+    p.add_argument("--shape", default="135m", choices=sorted(SHAPES), help="a body of make_random_model.py")
     p.add_argument("--bucket-mib", type=int, nargs="+", default=[256])
     p.add_argument("--rounds", type=int, default=6, help="syncs per row (the first is left out)")
     p.add_argument("--transports", nargs="+", default=["nccl", "nixl"], choices=["nccl", "nixl"])
