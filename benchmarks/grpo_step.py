@@ -76,6 +76,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     cfg.model.share_prompt_prefix = {"auto": "auto", "on": True, "off": False}[args.share_prefix]
     cfg.model.compile = args.compile
     cfg.model.fused_kernels = {"auto": "auto", "on": True, "off": False}[args.fused_kernels]
+    cfg.model.cuda_graphs = args.cuda_graphs
     cfg.rl.optimizer.lr = args.lr
     cfg.rl.kl_beta = 0.0
     cfg.rollout.max_tokens = args.max_tokens
@@ -137,6 +138,7 @@ ARM_KEYS = {
     "sampler_logprobs_samples": lambda v: None if v in ("", "none", "null") else int(v),
     "compile": lambda v: v in ("1", "true", "yes"),
     "fused_kernels": lambda v: v in ("1", "true", "yes"),  # turns them on (off cannot undo the patch)
+    "cuda_graphs": lambda v: v in ("1", "true", "yes"),  # model.cuda_graphs, on or off per arm
 }
 
 
@@ -184,11 +186,18 @@ def run(
                         f"--arms: arm {name!r} compiles a model with Liger's kernels in; run it in a "
                         "process of its own with --fused-kernels off"
                     )
-                from posttrain.policy.trainer import compile_layers
+                from posttrain.models.structure import compile_layers
 
                 compile_layers(trainer.model)
                 compiled = True
             arm.compile = compiled
+            if arm.cuda_graphs and trainer.graphs is None:  # model.cuda_graphs for this arm
+                from posttrain.models.cuda_graphs import GraphedBody
+                from posttrain.models.structure import split_body_and_head
+
+                trainer.graphs = GraphedBody(split_body_and_head(trainer.model)[0], trainer.precision)
+            elif not arm.cuda_graphs:
+                trainer.graphs = None  # its recorded graphs, and their memory pools, go
             cfg.rl.batch_per_replica = arm.prompts * arm.samples
             cfg.rl.micro_batch_per_replica = arm.micro_batch
             print(f"== arm {name}: {json.dumps({k: getattr(arm, k) for k in ARM_KEYS})}", flush=True)
@@ -447,6 +456,11 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="model.fused_kernels (Liger's RMSNorm, SwiGLU, RoPE; auto: the shipped default, on for a CUDA llama "
         "with liger-kernel installed); off to compare against an arm with fused_kernels=1",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="model.cuda_graphs: the policy body's forward and backward replayed as CUDA graphs per padded shape",
     )
     p.add_argument("--async-scheduling", action="store_true", help="vLLM async scheduling")
     p.add_argument("--off-policy", action="store_true", help="rl.max_off_policy_steps=1: sample k+1 while k trains")

@@ -51,6 +51,10 @@
 #   fused  model.fused_kernels in whole steps: W, the small job's learning, the GPU test (Liger's wheel in .vxl)
 #   fused15  the 1.5B shape eager and with model.fused_kernels
 #   fusedw the fused-kernels GPU tests, then W: TRL, ours eager and ours fused (packed after each)
+#   cgraphs  model.cuda_graphs: its GPU tests, then the update alone eager against graphed at the small
+#          step's size (135M, tiny30; profiled; three lengths in turn), at W's (0.4B) and at 1.5B
+#   cgraphsb its GPU tests again, the update at 0.4B and 1.5B, the small job as shipped and with model.cuda_graphs=true
+#   cgraphsc W with and without them, then TRL's small task; cgraphsd TRL on W (the same lease's ratios)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -389,6 +393,81 @@ case "${1:-}" in
     model 1.5b /tmp/m15
     step w15_fused 300 --model /tmp/m15 --micro-batch 32 --out-dir "$R/fused15" \
       --fused-kernels off --arms "eager:steps=4,$SHIPPED;fused:steps=4,fused_kernels=1,$SHIPPED"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  cgraphs)
+    # model.cuda_graphs (the body's forward and backward replayed per padded shape, models/cuda_graphs.py):
+    # its GPU tests, then the update alone beside the shipped eager one at the small step's size (135M and
+    # tiny30, profiled: GPU busy time against wall time), at W's size (0.4B) and at 1.5B
+    environment
+    device_info
+    (model 0.5b /tmp/m05 &)
+    POSTTRAIN_GPU_TEST_REPORT=$R/cgraphs_gpu_test.json timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+      tests/gpu/test_cuda_graphs_gpu.py >"$R/cgraphs_gpu_test.log" 2>&1; echo "cuda graphs gpu test rc=$?"
+    grep -E "passed|failed|Error|error" "$R/cgraphs_gpu_test.log" | tail -12 | cut -c1-300
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    mkdir -p "$R/cgraphs"
+    timeout 150 python3 benchmarks/update_precision.py --shapes 135m,tiny30 --prompts 4 --completion-len 16 \
+      --micro-batch 32 --share off --repeats 7 --profile --vary-lengths 3 --arms mixed,mixed_cuda_graphs \
+      --out "$R/cgraphs/small.json" >"$R/cgraphs/small.log" 2>&1; echo "small update rc=$?"
+    grep -E "update|Error" "$R/cgraphs/small.log" | cut -c1-260
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    model 0.5b /tmp/m05
+    timeout 150 python3 benchmarks/update_precision.py --shapes 0.5b --micro-batch 64 --share off --repeats 3 \
+      --arms mixed,mixed_cuda_graphs --out "$R/cgraphs/w.json" >"$R/cgraphs/w.log" 2>&1; echo "W update rc=$?"
+    grep -E "update|Error" "$R/cgraphs/w.log" | cut -c1-260
+    timeout 150 python3 benchmarks/update_precision.py --shapes 1.5b --micro-batch 32 --share off --repeats 3 \
+      --arms mixed,mixed_cuda_graphs --out "$R/cgraphs/w15.json" >"$R/cgraphs/w15.log" 2>&1; echo "1.5B update rc=$?"
+    grep -E "update|Error" "$R/cgraphs/w15.log" | cut -c1-260
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  cgraphsb)
+    # model.cuda_graphs: its GPU tests again, the update alone at W's size (0.4B) and at 1.5B, then the
+    # default recipe's small job (learning, 40 steps on vLLM) as shipped and with the graphs
+    environment
+    device_info
+    (model 0.5b /tmp/m05 &)
+    POSTTRAIN_GPU_TEST_REPORT=$R/cgraphs_gpu_test.json timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+      tests/gpu/test_cuda_graphs_gpu.py >"$R/cgraphs_gpu_test.log" 2>&1; echo "cuda graphs gpu test rc=$?"
+    grep -E "passed|failed|Error|error" "$R/cgraphs_gpu_test.log" | tail -12 | cut -c1-300
+    mkdir -p "$R/cgraphs"
+    model 0.5b /tmp/m05
+    for spec in 0.5b:64 1.5b:32; do
+      timeout 150 python3 benchmarks/update_precision.py --shapes "${spec%:*}" --micro-batch "${spec#*:}" --share off \
+        --repeats 3 --arms mixed,mixed_cuda_graphs --out "$R/cgraphs/update_${spec%:*}.json" \
+        >"$R/cgraphs/update_${spec%:*}.log" 2>&1; echo "update ${spec%:*} rc=$?"
+      grep -E "update|Error" "$R/cgraphs/update_${spec%:*}.log" | cut -c1-260
+    done
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    small_job small_shipped 150
+    small_job small_graphs 150 model.cuda_graphs=true
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  cgraphsc)
+    # W with and without model.cuda_graphs (one process, one engine), then TRL's small task
+    environment
+    model 0.5b /tmp/m05
+    step w_cgraphs 280 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/cgraphs" \
+      --arms "shipped:steps=5,$SHIPPED;graphs:steps=5,cuda_graphs=1,$SHIPPED"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    trl_small
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  cgraphse)
+    # the small job as shipped again (cgraphsb's timed out at 150 s), then W with and without the graphs
+    environment
+    small_job small_shipped 190
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    model 0.5b /tmp/m05
+    step w_cgraphs 250 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/cgraphs" \
+      --arms "shipped:steps=4,$SHIPPED;graphs:steps=4,cuda_graphs=1,$SHIPPED"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  cgraphst)
+    # TRL's small task alone (after cgraphse on the same machine: the converted SmolLM2 is in /tmp/cache)
+    environment
+    trl_small
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  cgraphsd)
+    # TRL on W in the same lease
+    environment
+    model 0.5b /tmp/m05
+    trl w 150 /tmp/m05 32,8,256
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;

@@ -25,6 +25,9 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
 - ``mixed_body_graphs``: the whole decoder body compiled as one graph with ``mode="reduce-overhead"``
   and ``torch.compiler.cudagraph_mark_step_begin()`` before each update (not a knob: one forward and
   one backward replay per update, so no backward is pending when a graph runs; CUDA only).
+- ``mixed_cuda_graphs``: ``model.cuda_graphs=true``: the body's forward and backward recorded once per
+  padded shape with ``torch.cuda.make_graphed_callables``, the bf16 casts inside the graph, the LM
+  head, loss and optimizer eager (``models/cuda_graphs.py``; CUDA only).
 
 ``--profile`` runs each arm's update once more under torch.profiler and prints the wall time against
 the GPU's busy time (kernel time summed), the kernels launched and the aten calls: an update whose
@@ -97,6 +100,7 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
     cfg.rl.optimizer.lr, cfg.rl.kl_beta = 1e-6, 0.0
     cfg.rollout.max_tokens = args.completion_len
     cfg.model.compile = arm == "mixed_compiled"
+    cfg.model.cuda_graphs = arm == "mixed_cuda_graphs"
     cfg.model.share_prompt_prefix = {"auto": "auto", "on": True, "off": False}[share]
     trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=0)
     if arm == "mixed_body_compiled":
@@ -117,7 +121,7 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
         from posttrain.models.fused_kernels import apply_fused_kernels
 
         apply_fused_kernels(model)
-    elif arm not in ("bf16", "mixed", "mixed_compiled"):
+    elif arm not in ("bf16", "mixed", "mixed_compiled", "mixed_cuda_graphs"):
         raise SystemExit(f"unknown arm {arm!r}")
     return trainer
 
@@ -185,6 +189,8 @@ def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto")
         "arm": arm,
         "share_prompt_prefix": share,
         "shared": trainer._share,
+        "graph_shapes": trainer.graphs.shapes if trainer.graphs is not None else None,
+        "graph_record_s": trainer.graphs.capture_seconds if trainer.graphs is not None else None,
         "prompts": args.prompts,
         "prompt_len": args.prompt_len,
         "completion_len": args.completion_len,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from posttrain.config.loading import build_config
-from posttrain.config.schema import OptimizerConfig
+from posttrain.config.optimizer import OptimizerConfig
 from posttrain.errors import ConfigError
 from posttrain.policy.optim import build_scheduler
 

@@ -157,6 +157,13 @@ def start_run(cfg: RunConfig, argv: list[str], objective: Objective) -> Run:
         log.info(f"{trainer.fused_kernels_note}: the policy's RMSNorm, SwiGLU, RoPE run Liger-Kernel's Triton kernels")
     elif trainer.device.type == "cuda":  # on the CPU they never run: no line
         log.info(trainer.fused_kernels_note)
+    if trainer.graphs is not None:
+        log.info(
+            f"{trainer.cuda_graphs_note}: the policy body's forward and backward replay as CUDA graphs, "
+            "one recording per padded shape"
+        )
+    elif trainer.device.type == "cuda":
+        log.info(trainer.cuda_graphs_note)
     return Run(cfg, run_dir, log, roles, trainer, resume_identity(cfg), tokenizer, Cells(dp.cell, dp.size))
 
 

@@ -1,7 +1,8 @@
 """Where the parts of a Hugging Face causal LM are: its decoder body and its LM head.
 
 The trainer, the FSDP2 sharding and the transformers teacher all run the body and the head apart
-(chunked logprobs, one FSDP unit per part), so they find them the same way, here.
+(chunked logprobs, one FSDP unit per part), so they find them the same way, here; and
+``model.compile`` compiles the body's decoder layers (``compile_layers``).
 """
 
 from __future__ import annotations
@@ -29,3 +30,14 @@ def split_body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
             # These models rescale logits inside forward(); the chunked head would silently miss it.
             raise PosttrainError(f"model config sets {knob}={value}, which the chunked logprob path does not apply")
     return body, head
+
+
+def compile_layers(model: nn.Module) -> None:
+    """``torch.compile`` every decoder layer in place (``model.compile``), with dynamic shapes so that
+    changing batch and sequence sizes do not recompile each step."""
+    body, _ = split_body_and_head(model)
+    layers = getattr(body, "layers", None)
+    if layers is None:
+        raise PosttrainError(f"model.compile=true: {type(body).__name__} has no .layers to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)

@@ -10,6 +10,7 @@ never ``[B, L, V]``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,7 +67,16 @@ def chunked_head_logprobs(
     return torch.cat(pieces)
 
 
-def _hidden_states(body: nn.Module, batch: PolicyBatch) -> Tensor:
+BodyForward = Callable[[Tensor], Tensor]
+"""``input_ids_RL -> hidden_RLH`` for right-padded rows: the body run another way (its CUDA graphs,
+``models/cuda_graphs.GraphedBody.hidden_states``)."""
+
+
+def _hidden_states(body: nn.Module, batch: PolicyBatch, body_forward: BodyForward | None = None) -> Tensor:
+    if body_forward is not None:
+        if batch.position_ids_RL is not None:
+            raise ValueError("a replacement body forward takes padded rows only, not packed ones")
+        return body_forward(batch.input_ids_RL)
     # Padded rows are right-padded, so the causal mask alone keeps every real token from seeing
     # padding; skipping the padding mask lets SDPA use its plain causal kernel (padded positions'
     # outputs are never read). Packed rows pass their restarting position ids instead, from which
@@ -76,10 +86,13 @@ def _hidden_states(body: nn.Module, batch: PolicyBatch) -> Tensor:
     return hidden
 
 
-def completion_hidden_states(body: nn.Module, batch: PolicyBatch) -> tuple[Tensor, Tensor, Tensor]:
+def completion_hidden_states(
+    body: nn.Module, batch: PolicyBatch, body_forward: BodyForward | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(hidden_NH, b_N, t_N)``: the body's hidden state that predicts each completion token (the one
-    at the position before it), with the token's row and column, row-major over the batch."""
-    hidden_RLH = _hidden_states(body, batch)
+    at the position before it), with the token's row and column, row-major over the batch.
+    ``body_forward`` runs the body instead of calling it (padded rows only)."""
+    hidden_RLH = _hidden_states(body, batch, body_forward)
     return hidden_RLH.flatten(0, 1)[batch.source_N], batch.row_N, batch.col_N
 
 
@@ -90,12 +103,14 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
     head_ids_BTK: Tensor | None = None,
+    body_forward: BodyForward | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``logprobs_BT[b, t] = log p(completion token t of row b | everything before it)``.
 
     Computed from ``logits / temperature`` in fp32; 0 where ``completion_mask_BT`` is 0.
     With ``head_ids_BTK`` also returns ``head_logprobs_BTK``: the policy's logprobs at those ids
-    (the sampler's top-k head, for score centering), 0 where masked.
+    (the sampler's top-k head, for score centering), 0 where masked. ``body_forward``: the body run
+    another way (its CUDA graphs), padded rows only.
     """
     if temperature <= 0:
         raise ValueError(f"rl.temperature must be > 0, got {temperature}")
@@ -104,7 +119,7 @@ def completion_logprobs(
     body, head = split_body_and_head(model)
     softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     rows, width = batch.completion_ids_BT.shape
-    hidden_NH, b_N, t_N = completion_hidden_states(body, batch)
+    hidden_NH, b_N, t_N = completion_hidden_states(body, batch, body_forward)
     ids_NJ = batch.completion_ids_BT[b_N, t_N].unsqueeze(-1)
     if head_ids_BTK is not None:
         ids_NJ = torch.cat([ids_NJ, head_ids_BTK[b_N, t_N].long()], dim=-1)

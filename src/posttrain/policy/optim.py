@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from posttrain.config.schema import OptimizerConfig
+from posttrain.config.optimizer import OptimizerConfig
 
 # Devices with torch's fused AdamW kernel (CPU since torch 2.4); Muon's auxiliary AdamW uses it there.
 _FUSED_ADAMW_DEVICES = ("cuda", "cpu")

@@ -22,8 +22,10 @@ from posttrain.config.schema import RunConfig
 from posttrain.distributed.cells import cell_config
 from posttrain.distributed.fsdp import DataParallel, first_nonfinite, largest_entry, mixed_forward
 from posttrain.errors import PosttrainError, TrainingError
+from posttrain.models.cuda_graphs import graphed_body_for
 from posttrain.models.fused_kernels import apply_fused_kernels, fusable, fused_kernels_choice
 from posttrain.models.precision import compute_weights, dtype_name, resolve_precision
+from posttrain.models.structure import compile_layers, split_body_and_head
 from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_micro_batches
 from posttrain.policy.images import (
     SHARED_PROMPT_REFUSAL,
@@ -33,7 +35,7 @@ from posttrain.policy.images import (
     vl_completion_logprobs,
     vl_completion_logprobs_at,
 )
-from posttrain.policy.logprobs import check_packing_isolates, completion_logprobs
+from posttrain.policy.logprobs import BodyForward, check_packing_isolates, completion_logprobs
 from posttrain.policy.objective import Objective, objective_spec
 from posttrain.policy.optim import build_optimizer, build_scheduler
 from posttrain.policy.routing import RoutingReplay
@@ -53,7 +55,7 @@ from posttrain.policy.train_batch import (
 )
 
 # objective_spec and TrainBatch are re-exported: loop/resume.py and loop/grpo.py import them from here.
-__all__ = ["PROBE_TOLERANCE", "PolicyTrainer", "TrainBatch", "build_reference", "compile_layers", "objective_spec"]
+__all__ = ["PROBE_TOLERANCE", "PolicyTrainer", "TrainBatch", "build_reference", "objective_spec"]
 
 # How far pi_old may sit from the first mini-batch's own logprobs before the run is stopped: the
 # pass uses the same micro-batch composition, so on a deterministic backend the gap is zero; the
@@ -94,19 +96,6 @@ def build_reference(policy: nn.Module, cfg: RunConfig, objective: Objective) -> 
     ref.eval()
     ref.requires_grad_(False)
     return ref
-
-
-def compile_layers(model: nn.Module) -> None:
-    """``torch.compile`` every decoder layer in place (``model.compile``), with dynamic shapes so that
-    changing batch and sequence sizes do not recompile each step."""
-    from posttrain.models.structure import split_body_and_head
-
-    body, _ = split_body_and_head(model)
-    layers = getattr(body, "layers", None)
-    if layers is None:
-        raise PosttrainError(f"model.compile=true: {type(body).__name__} has no .layers to compile")
-    for layer in layers:
-        layer.compile(dynamic=True)
 
 
 class PolicyTrainer:
@@ -156,6 +145,9 @@ class PolicyTrainer:
                 apply_fused_kernels(ref_model)
         if cfg.model.sequence_packing:
             check_packing_isolates(model)
+        # model.cuda_graphs: the policy body's forward and backward replayed per padded shape (models/cuda_graphs.py)
+        self.graphs, self.cuda_graphs_note = graphed_body_for(model, cfg, self.precision, self.dp.size)
+        self._graphed = False  # whether the current batch's policy forwards run the graphs (_decide_sharing)
 
     # -- partitioning -------------------------------------------------------------------------
     def _mini_batches(self, n: int) -> list[list[int]]:
@@ -178,7 +170,9 @@ class PolicyTrainer:
         share = self.cfg.model.share_prompt_prefix
         if batch.images is not None and share is True:
             raise TrainingError(f"model.share_prompt_prefix=true: {SHARED_PROMPT_REFUSAL}")
-        if self.objective.plain_path_only or share is False or batch.images is not None:
+        # model.cuda_graphs=true: the graphs take padded rows only (auto graphs the batches it does not share)
+        plain_only = self.objective.plain_path_only or self.cfg.model.cuda_graphs is True
+        if plain_only or share is False or batch.images is not None:
             self._share = False
         elif share is True:
             self._share = True
@@ -198,6 +192,7 @@ class PolicyTrainer:
             self._share = sharing_pays(
                 prompt_tokens / rows, completion_tokens / rows, on_gpu=self.device.type == "cuda"
             )
+        self._graphed = self.graphs is not None and not self._share
         return self._share
 
     def _shares_prefix(self, batch: TrainBatch, size: int, mini: list[int]) -> bool:
@@ -242,10 +237,17 @@ class PolicyTrainer:
         read as compute-dtype copies (``compute_weights``) when the run is mixed and ``model`` is a
         plain module. An FSDP2-sharded policy computes in bf16 through its MixedPrecisionPolicy
         already (``shard_policy``), so it gets nothing here; nor does any module of a run whose
-        compute dtype is its parameter dtype (the CPU default)."""
+        compute dtype is its parameter dtype (the CPU default). With ``model.cuda_graphs`` the policy's
+        body casts its weights inside its graphs, so only its LM head is cast here."""
         if not self.precision.mixed:
             return nullcontext()
+        if self._graphed and model is self.model:
+            return compute_weights(split_body_and_head(model)[1], self.precision)
         return mixed_forward(model, compute_weights(model, self.precision))
+
+    def _body_forward(self, model: nn.Module) -> BodyForward | None:
+        """The policy body's CUDA graphs (``model.cuda_graphs``) for a forward of the policy, else None."""
+        return self.graphs.hidden_states if self.graphs is not None and self._graphed and model is self.model else None
 
     def _logprobs(
         self, model: nn.Module, mb: PolicyBatch | GroupedBatch, images: ImageInputs | None = None
@@ -259,7 +261,9 @@ class PolicyTrainer:
                 )
             if isinstance(mb, GroupedBatch):
                 return grouped_completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk)
-            out = completion_logprobs(model, mb, temperature=temperature, chunk_tokens=chunk)
+            out = completion_logprobs(
+                model, mb, temperature=temperature, chunk_tokens=chunk, body_forward=self._body_forward(model)
+            )
         return out if isinstance(out, torch.Tensor) else out[0]
 
     # -- passes --------------------------------------------------------------------------------
@@ -316,6 +320,7 @@ class PolicyTrainer:
                 temperature=self.cfg.rl.temperature,
                 chunk_tokens=self.cfg.model.logprob_chunk_tokens,
                 head_ids_BTK=ids_BTK,
+                body_forward=self._body_forward(self.model),
             )
         if not isinstance(out, tuple):
             raise TypeError("completion_logprobs returned no logprobs at the extra ids")

@@ -2,7 +2,8 @@
 the objective knobs both have, the rollout engine and weight sync, off-policy sampling, run naming
 and resume, the prompt source (and the arithmetic template, tried with values of the right types)
 and the reward's inputs, the model directory or hub id (``preflight/paths.py``, with the other
-file-system checks), and ``model.fused_kernels`` (``preflight/fused_kernels.py``).
+file-system checks), ``model.fused_kernels`` (``preflight/fused_kernels.py``) and ``model.cuda_graphs``
+(``preflight/cuda_graphs.py``).
 
 ``run_checks`` runs them in the one order both preflights report in, with the algorithm's own
 objective checks (``preflight/grpo.py``, ``preflight/opd.py``) after the batch checks. Nothing here
@@ -21,6 +22,7 @@ from posttrain.config.loading import shown
 from posttrain.config.schema import RunConfig
 from posttrain.data.arithmetic import template_format_problem
 from posttrain.models.precision import precision_conflict
+from posttrain.preflight.cuda_graphs import check_cuda_graphs
 from posttrain.preflight.eval import check_eval
 from posttrain.preflight.findings import Findings
 from posttrain.preflight.fused_kernels import check_fused_kernels
@@ -341,7 +343,9 @@ def run_checks(cfg: ConfigT, objective_checks: Sequence[Callable[[ConfigT, Findi
     findings = Findings()
     check_model_path("model.name_or_path", cfg.model.name_or_path, findings, revision=cfg.model.revision)
     check_vision_policy(cfg, findings)
-    check_fused_kernels(cfg, findings, cuda_major=_torch_cuda_major())
+    cuda_major = _torch_cuda_major()
+    check_fused_kernels(cfg, findings, cuda_major=cuda_major)
+    check_cuda_graphs(cfg, findings, cuda_major=cuda_major)
     conflict = precision_conflict(cfg.model.dtype, cfg.model.compute_dtype)  # contradictory dtypes, by name
     if conflict is not None:
         findings.errors.append(conflict)

@@ -1,0 +1,66 @@
+"""The ``model.cuda_graphs=true`` rules (the policy body's forward and backward replayed as CUDA
+graphs; ``models/cuda_graphs.py``), checked before any model loads (``auto``, the default, is never
+refused: ``cuda_graphs_choice`` turns it off where one of these fails). The graphs are recorded for
+the body of one plain, unsharded policy over right-padded rows, so refused are:
+
+* a policy off CUDA (``model.device=cpu``, or ``auto`` where torch is a CPU build);
+* several policy ranks (``grid``): FSDP2 gathers and frees the weights around every forward, so
+  the addresses a graph recorded would not hold them;
+* ``model.compile`` (two ways of removing the same launches), LoRA (peft's wrapped projections
+  have not been recorded here) and ``model.gradient_checkpointing`` (a recompute inside the
+  backward graph has not run here);
+* ``model.sequence_packing`` and ``model.share_prompt_prefix=true``: the graphs take padded rows
+  only (``auto`` runs every prompt with its completion while graphs are on);
+* a sparse-MoE policy (its routing sorts tokens to experts by data-dependent sizes, which a graph
+  cannot replay) and a vision-language one (image inputs vary per batch).
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from posttrain.config.schema import RunConfig
+from posttrain.models.loading import local_model_config
+from posttrain.preflight.findings import Findings
+from posttrain.preflight.moe import model_is_sparse_moe
+
+OFF = "set model.cuda_graphs=false"
+
+
+def check_cuda_graphs(cfg: RunConfig, out: Findings, cuda_major: int | None) -> None:
+    """``cuda_major``: the CUDA major version torch is built for, None for a CPU build."""
+    model = cfg.model
+    if model.cuda_graphs is not True:  # auto turns itself off where these would refuse it
+        return
+    head = "model.cuda_graphs=true"
+    if model.device == "cpu" or (model.device == "auto" and cuda_major is None):
+        where = (
+            "model.device=cpu" if model.device == "cpu" else "model.device=auto means the CPU (torch is a CPU build)"
+        )
+        out.errors.append(f"{head} records CUDA graphs, but {where}; {OFF}")
+    if cfg.grid.policy_ranks > 1:
+        out.errors.append(
+            f"{head} runs on one policy rank only, and the grid has {cfg.grid.policy_ranks} (FSDP2 moves the "
+            f"weights the graphs would read); {OFF} or train on one rank"
+        )
+    conflicts = [
+        (model.compile, "model.compile=true", "model.compile=false"),
+        (model.lora.enabled, "LoRA (model.lora.rank > 0)", "no LoRA"),
+        (model.gradient_checkpointing, "model.gradient_checkpointing=true", "model.gradient_checkpointing=false"),
+        (model.sequence_packing, "model.sequence_packing=true", "model.sequence_packing=false"),
+        (model.share_prompt_prefix is True, "model.share_prompt_prefix=true", "model.share_prompt_prefix=auto"),
+    ]
+    for hit, what, instead in conflicts:
+        if hit:
+            out.errors.append(
+                f"{head} cannot be combined with {what}: the graphs take padded rows of a plain "
+                f"policy body; {OFF} or set {instead}"
+            )
+    found = local_model_config(model.name_or_path, model.revision)  # None: check_model_path names the problem
+    if found is None:
+        return
+    config = found[1]
+    if model_is_sparse_moe(config):
+        out.errors.append(f"{head}: {found[0]} is a sparse-MoE model, whose routing a graph cannot replay; {OFF}")
+    if "vision_config" in config:
+        out.errors.append(f"{head}: {found[0]} is a vision-language model, whose image inputs vary per batch; {OFF}")
