@@ -124,6 +124,11 @@ trl_small() {  # TRL's GRPOTrainer on the same small task (40 steps, lr 5e-5), o
   timeout 170 python3 "$PEERS/trl_grpo_gpu_learn.py" 40 5e-5 "$hf" >"$R/trl_small.log" 2>&1
   echo "trl_small rc=$?"; grep TRLLEARN "$R/trl_small.log" | cut -c1-300
 }
+cgraphs_tests() {  # tests/gpu/test_cuda_graphs_gpu.py, its failures' lines shown
+  POSTTRAIN_GPU_TEST_REPORT=$R/cgraphs_gpu_test.json timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+    tests/gpu/test_cuda_graphs_gpu.py >"$R/cgraphs_gpu_test.log" 2>&1; echo "cuda graphs gpu test rc=$?"
+  grep -E "passed|failed|Error|error" "$R/cgraphs_gpu_test.log" | tail -12 | cut -c1-300
+}
 environment() {
   if [ -d /tmp/site/vllm ]; then
     export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -230,11 +235,11 @@ case "${1:-}" in
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   tests|testsmv)
     # the GPU test files, each in a pytest process of its own: `tests` those whose llama policies
-    # model.fused_kernels=auto now patches (with liger-kernel from .vxl), `testsmv` the MoE and
-    # vision-language ones (auto leaves those types plain)
+    # model.fused_kernels=auto now patches (with liger-kernel from .vxl) and model.cuda_graphs=auto
+    # graphs (their tiny updates), `testsmv` the MoE and vision-language ones (both autos leave those plain)
     environment
     mkdir -p "$R/tests"
-    files="fused_kernels_gpu:120 gpu_smoke:60 vllm_gpu:150 checkpoint_gpu:150"
+    files="cuda_graphs_gpu:200 fused_kernels_gpu:120 gpu_smoke:60 vllm_gpu:150 checkpoint_gpu:150"
     [ "$1" = testsmv ] && files="moe_gpu:150 vl_grpo_gpu:170"
     for f in $files; do
       name=${f%%:*}
@@ -401,9 +406,7 @@ case "${1:-}" in
     environment
     device_info
     (model 0.5b /tmp/m05 &)
-    POSTTRAIN_GPU_TEST_REPORT=$R/cgraphs_gpu_test.json timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
-      tests/gpu/test_cuda_graphs_gpu.py >"$R/cgraphs_gpu_test.log" 2>&1; echo "cuda graphs gpu test rc=$?"
-    grep -E "passed|failed|Error|error" "$R/cgraphs_gpu_test.log" | tail -12 | cut -c1-300
+    cgraphs_tests
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
     mkdir -p "$R/cgraphs"
     timeout 150 python3 benchmarks/update_precision.py --shapes 135m,tiny30 --prompts 4 --completion-len 16 \
@@ -425,9 +428,7 @@ case "${1:-}" in
     environment
     device_info
     (model 0.5b /tmp/m05 &)
-    POSTTRAIN_GPU_TEST_REPORT=$R/cgraphs_gpu_test.json timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
-      tests/gpu/test_cuda_graphs_gpu.py >"$R/cgraphs_gpu_test.log" 2>&1; echo "cuda graphs gpu test rc=$?"
-    grep -E "passed|failed|Error|error" "$R/cgraphs_gpu_test.log" | tail -12 | cut -c1-300
+    cgraphs_tests
     mkdir -p "$R/cgraphs"
     model 0.5b /tmp/m05
     for spec in 0.5b:64 1.5b:32; do

@@ -109,7 +109,7 @@ case ${1:-} in
     python3 -m posttrain.models.opd_demo >"$R/opd_demo.log" 2>&1 &  # the OPD run's 6-layer student, meanwhile
     # --- phase 1: the one-GPU test files, a GPU each
     (export CUDA_VISIBLE_DEVICES=0
-     for f in fused_kernels_gpu:120 gpu_smoke:60 vllm_gpu:150 checkpoint_gpu:150; do gputest "${f%%:*}" "${f##*:}"; done
+     for f in cuda_graphs_gpu:200 fused_kernels_gpu:120 gpu_smoke:60 vllm_gpu:150 checkpoint_gpu:150; do gputest "${f%%:*}" "${f##*:}"; done
     ) >"$R/phase1_gpu0.out" 2>&1 &
     g0=$!
     (export CUDA_VISIBLE_DEVICES=1

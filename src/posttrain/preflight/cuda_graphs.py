@@ -22,6 +22,7 @@ from __future__ import annotations
 from posttrain.config.schema import RunConfig
 from posttrain.models.loading import local_model_config
 from posttrain.preflight.findings import Findings
+from posttrain.preflight.fused_kernels import policy_off_cuda
 from posttrain.preflight.moe import model_is_sparse_moe
 
 OFF = "set model.cuda_graphs=false"
@@ -33,10 +34,7 @@ def check_cuda_graphs(cfg: RunConfig, out: Findings, cuda_major: int | None) -> 
     if model.cuda_graphs is not True:  # auto turns itself off where these would refuse it
         return
     head = "model.cuda_graphs=true"
-    if model.device == "cpu" or (model.device == "auto" and cuda_major is None):
-        where = (
-            "model.device=cpu" if model.device == "cpu" else "model.device=auto means the CPU (torch is a CPU build)"
-        )
+    if (where := policy_off_cuda(model, cuda_major)) is not None:
         out.errors.append(f"{head} records CUDA graphs, but {where}; {OFF}")
     if cfg.grid.policy_ranks > 1:
         out.errors.append(

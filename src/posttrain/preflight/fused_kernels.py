@@ -16,12 +16,22 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-from posttrain.config.schema import RunConfig
+from posttrain.config.schema import ModelConfig, RunConfig
 from posttrain.models.fused_kernels import FUSED_MODEL_TYPES, INSTALL_HINT, liger_installed
 from posttrain.models.loading import local_model_config
 from posttrain.preflight.findings import Findings
 
 OFF = "set model.fused_kernels=false"
+
+
+def policy_off_cuda(model: ModelConfig, cuda_major: int | None) -> str | None:
+    """Why the policy will not be on CUDA (``model.device=cpu``, or ``auto`` with a CPU build of torch,
+    ``cuda_major`` None), else None: the rule of the knobs that run on CUDA only."""
+    if model.device == "cpu":
+        return "model.device=cpu"
+    if model.device == "auto" and cuda_major is None:
+        return "model.device=auto means the CPU (torch is a CPU build)"
+    return None
 
 
 def check_fused_kernels(cfg: RunConfig, out: Findings, cuda_major: int | None) -> None:
@@ -30,10 +40,7 @@ def check_fused_kernels(cfg: RunConfig, out: Findings, cuda_major: int | None) -
     if model.fused_kernels is not True:  # auto turns itself off where these would refuse it
         return
     head = "model.fused_kernels=true"
-    if model.device == "cpu" or (model.device == "auto" and cuda_major is None):
-        where = (
-            "model.device=cpu" if model.device == "cpu" else "model.device=auto means the CPU (torch is a CPU build)"
-        )
+    if (where := policy_off_cuda(model, cuda_major)) is not None:
         out.errors.append(f"{head} runs Triton kernels on CUDA only, but {where}; {OFF}")
     if not liger_installed():
         out.errors.append(f"{head} needs Liger-Kernel, which is not installed: {INSTALL_HINT}; or {OFF}")
