@@ -100,11 +100,10 @@ def test_the_run_preflight_reports_it_before_any_model_loads(model_dir: Path) ->
     assert any("model.cuda_graphs=true records CUDA graphs, but model.device=cpu" in e for e in errors), errors
 
 
-def _choice(*overrides: str, device: str = "cuda", ranks: int = 1, moe: bool = False, vision: bool = False) -> Any:
+def _choice(*overrides: str, device: str = "cuda", ranks: int = 1, **flags: bool) -> Any:
     cfg = build_config(None, list(overrides))
-    return cuda_graphs.cuda_graphs_choice(
-        cfg, device_type=device, policy_ranks=ranks, moe=moe, vision=vision, params=134_515_008
-    )
+    kinds = {"moe": False, "vision": False, "reference": False} | flags
+    return cuda_graphs.cuda_graphs_choice(cfg, device_type=device, policy_ranks=ranks, params=134_515_008, **kinds)
 
 
 def test_a_cpu_policy_gets_no_graphed_body_and_the_reason(tiny_model_dir: str) -> None:
@@ -113,12 +112,12 @@ def test_a_cpu_policy_gets_no_graphed_body_and_the_reason(tiny_model_dir: str) -
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     cfg = build_config(None, [f"model.name_or_path={tiny_model_dir}"])
     precision = resolve_precision("float32", "auto", torch.device("cpu"))
-    assert cuda_graphs.graphed_body_for(model, cfg, precision, 1) == (
+    assert cuda_graphs.graphed_body_for(model, cfg, precision, 1, reference=False) == (
         None,
         "model.cuda_graphs=auto: off, the policy is on cpu, not CUDA",
     )
     with pytest.raises(TrainingError, match="needs the policy on one CUDA device"):
-        cuda_graphs.graphed_body_for(model, build_config(None, [ON]), precision, 1)
+        cuda_graphs.graphed_body_for(model, build_config(None, [ON]), precision, 1, reference=False)
 
 
 def test_auto_graphs_the_default_recipes_small_update_on_a_gpu() -> None:
@@ -140,6 +139,7 @@ def test_auto_graphs_the_default_recipes_small_update_on_a_gpu() -> None:
         (["model.share_prompt_prefix=true"], {}, "model.share_prompt_prefix=true"),
         ([], {"moe": True}, "a sparse-MoE policy"),
         ([], {"vision": True}, "a vision-language policy"),
+        ([], {"reference": True}, "a KL reference runs beside it (its eager logprobs would differ"),
         (["rollout.max_tokens=256"], {}, "the update is large enough to keep the GPU busy (parameters x micro-batch"),
     ],
 )

@@ -106,7 +106,8 @@ class ModelConfig(Section):
     cuda_graphs: bool | Literal["auto"] = "auto"
     """Replay the policy body's forward and backward as CUDA graphs per padded shape (docs/gpu.md): one H200's default
     update 0.147 -> 0.036 s. ``auto``: on for a small update (params x micro-batch rows x max_tokens <= 2.5e11) of a
-    plain policy on one CUDA rank; ``true`` refuses compile, LoRA, checkpointing, packing, MoE, VL, several ranks."""
+    plain policy on one CUDA rank without a KL reference; ``true`` refuses compile, LoRA, checkpointing, packing, MoE,
+    VL, several ranks."""
     logprob_chunk_tokens: int = Field(1024, ge=16)
     """Tokens per chunk when computing per-token logprobs; bounds the fp32 [tokens, vocab] buffer."""
     lora: LoraConfig = Field(default_factory=LoraConfig)

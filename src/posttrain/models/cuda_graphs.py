@@ -69,12 +69,14 @@ CAPTURE_MODE = "thread_local"
 
 
 def cuda_graphs_choice(
-    cfg: RunConfig, *, device_type: str, policy_ranks: int, moe: bool, vision: bool, params: int
+    cfg: RunConfig, *, device_type: str, policy_ranks: int, moe: bool, vision: bool, params: int, reference: bool
 ) -> tuple[bool, str]:
     """``model.cuda_graphs`` for a loaded policy of ``params`` parameters: whether to record its body's
     graphs, and why (for the log). ``true`` and ``false`` are taken as set (the preflight refused a
     ``true`` that cannot run). ``auto`` records them for a small update of a plain policy body on one
-    CUDA device."""
+    CUDA device, without a KL ``reference``: the reference runs eagerly, so at step 1 its logprobs
+    would differ from the graphed policy's by rounding (padded shapes pick other kernels), where
+    unpadded they are equal and the first KL is exactly 0."""
     model = cfg.model
     if model.cuda_graphs != "auto":
         return bool(model.cuda_graphs), f"model.cuda_graphs={str(model.cuda_graphs).lower()}"
@@ -90,6 +92,7 @@ def cuda_graphs_choice(
         (model.share_prompt_prefix is True, "model.share_prompt_prefix=true"),
         (moe, "a sparse-MoE policy"),
         (vision, "a vision-language policy"),
+        (reference, "a KL reference runs beside it (its eager logprobs would differ from the graphs' by rounding)"),
         (
             work > AUTO_WORK_LIMIT,
             f"the update is large enough to keep the GPU busy (parameters x micro-batch rows x max_tokens = "
@@ -103,10 +106,10 @@ def cuda_graphs_choice(
 
 
 def graphed_body_for(
-    model: nn.Module, cfg: RunConfig, precision: Precision, policy_ranks: int
+    model: nn.Module, cfg: RunConfig, precision: Precision, policy_ranks: int, *, reference: bool
 ) -> tuple[GraphedBody | None, str]:
     """The policy's ``GraphedBody`` where ``model.cuda_graphs`` (``cuda_graphs_choice``) records one,
-    else None; with the choice's reason, for the log."""
+    else None; with the choice's reason, for the log. ``reference``: the run has a KL reference."""
     device = next(model.parameters()).device
     on, note = cuda_graphs_choice(
         cfg,
@@ -115,6 +118,7 @@ def graphed_body_for(
         moe=is_sparse_moe(model),
         vision=hasattr(getattr(model, "config", None), "vision_config"),
         params=sum(p.numel() for p in model.parameters()),
+        reference=reference,
     )
     if not on:
         return None, note

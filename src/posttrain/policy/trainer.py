@@ -145,8 +145,8 @@ class PolicyTrainer:
                 apply_fused_kernels(ref_model)
         if cfg.model.sequence_packing:
             check_packing_isolates(model)
-        # model.cuda_graphs: the policy body's forward and backward replayed per padded shape (models/cuda_graphs.py)
-        self.graphs, self.cuda_graphs_note = graphed_body_for(model, cfg, self.precision, self.dp.size)
+        ref = ref_model is not None and objective.reference_logprobs  # model.cuda_graphs: models/cuda_graphs.py
+        self.graphs, self.cuda_graphs_note = graphed_body_for(model, cfg, self.precision, self.dp.size, reference=ref)
         self._graphed = False  # whether the current batch's policy forwards run the graphs (_decide_sharing)
 
     # -- partitioning -------------------------------------------------------------------------
