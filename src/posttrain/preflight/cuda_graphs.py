@@ -10,7 +10,8 @@ the body of one plain, unsharded policy over right-padded rows, so refused are:
   have not been recorded here) and ``model.gradient_checkpointing`` (a recompute inside the
   backward graph has not run here);
 * ``model.sequence_packing`` and ``model.share_prompt_prefix=true``: the graphs take padded rows
-  only (``auto`` runs every prompt with its completion while graphs are on);
+  only (with ``share_prompt_prefix=auto``, ``true`` runs every prompt with its completion, and
+  ``model.cuda_graphs=auto`` graphs only the batches that do not share their prompt);
 * a sparse-MoE policy (its routing sorts tokens to experts by data-dependent sizes, which a graph
   cannot replay) and a vision-language one (image inputs vary per batch).
 
