@@ -26,8 +26,8 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
   and ``torch.compiler.cudagraph_mark_step_begin()`` before each update (not a knob: one forward and
   one backward replay per update, so no backward is pending when a graph runs; CUDA only).
 - ``mixed_cuda_graphs``: ``model.cuda_graphs=true``: the body's forward and backward recorded once per
-  padded shape with ``torch.cuda.make_graphed_callables``, the bf16 casts inside the graph, the LM
-  head, loss and optimizer eager (``models/cuda_graphs.py``; CUDA only).
+  padded shape as two CUDA graphs, the bf16 casts inside the graph, the LM head, loss and optimizer
+  eager (``models/cuda_graphs.py``; CUDA only). The other arms keep the eager body.
 
 ``--profile`` runs each arm's update once more under torch.profiler and prints the wall time against
 the GPU's busy time (kernel time summed), the kernels launched and the aten calls: an update whose

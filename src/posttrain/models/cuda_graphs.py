@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from posttrain.errors import TrainingError
 from posttrain.models.moe import is_sparse_moe
 from posttrain.models.precision import Precision, compute_weights
-from posttrain.models.structure import split_body_and_head
+from posttrain.models.structure import body_hidden_states, split_body_and_head
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -138,11 +138,6 @@ def graph_shape(rows: int, length: int) -> tuple[int, int]:
     return padded_rows, -(-length // step) * step
 
 
-def _last_hidden(out: Any) -> Tensor:
-    hidden: Tensor = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return hidden
-
-
 class _Body(nn.Module):
     """The decoder body with its weights cast inside (``compute_weights``): the eager path, for
     batches of shapes beyond ``MAX_SHAPES``."""
@@ -154,7 +149,7 @@ class _Body(nn.Module):
 
     def forward(self, input_ids_RL: Tensor) -> Tensor:
         with compute_weights(self.body, self.precision):
-            return _last_hidden(self.body(input_ids=input_ids_RL, use_cache=False))
+            return body_hidden_states(self.body, input_ids_RL)
 
 
 class AliasedBody:
@@ -197,7 +192,7 @@ class AliasedBody:
 
     def __call__(self, input_ids_RL: Tensor) -> Tensor:
         with self._reading_aliases(), rows_not_packed():
-            return _last_hidden(self.body(input_ids=input_ids_RL, use_cache=False))
+            return body_hidden_states(self.body, input_ids_RL)
 
 
 @contextlib.contextmanager

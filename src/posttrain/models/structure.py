@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from posttrain.errors import PosttrainError
 
@@ -30,6 +30,13 @@ def split_body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
             # These models rescale logits inside forward(); the chunked head would silently miss it.
             raise PosttrainError(f"model config sets {knob}={value}, which the chunked logprob path does not apply")
     return body, head
+
+
+def body_hidden_states(body: nn.Module, input_ids_RL: Tensor, position_ids_RL: Tensor | None = None) -> Tensor:
+    """The decoder body's last hidden states ``[R, L, H]`` for ``input_ids_RL`` (no KV cache kept)."""
+    out = body(input_ids=input_ids_RL, position_ids=position_ids_RL, use_cache=False)
+    hidden: Tensor = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden
 
 
 def compile_layers(model: nn.Module) -> None:

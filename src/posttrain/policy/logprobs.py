@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from posttrain.models.structure import split_body_and_head
+from posttrain.models.structure import body_hidden_states, split_body_and_head
 from posttrain.policy.batching import PolicyBatch
 
 
@@ -81,9 +81,7 @@ def _hidden_states(body: nn.Module, batch: PolicyBatch, body_forward: BodyForwar
     # padding; skipping the padding mask lets SDPA use its plain causal kernel (padded positions'
     # outputs are never read). Packed rows pass their restarting position ids instead, from which
     # transformers builds the block-diagonal causal mask.
-    out = body(input_ids=batch.input_ids_RL, position_ids=batch.position_ids_RL, use_cache=False)
-    hidden: Tensor = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return hidden
+    return body_hidden_states(body, batch.input_ids_RL, batch.position_ids_RL)
 
 
 def completion_hidden_states(

@@ -147,7 +147,6 @@ class PolicyTrainer:
             check_packing_isolates(model)
         ref = ref_model is not None and objective.reference_logprobs  # model.cuda_graphs: models/cuda_graphs.py
         self.graphs, self.cuda_graphs_note = graphed_body_for(model, cfg, self.precision, self.dp.size, reference=ref)
-        self._graphed = False  # whether the current batch's policy forwards run the graphs (_decide_sharing)
 
     # -- partitioning -------------------------------------------------------------------------
     def _mini_batches(self, n: int) -> list[list[int]]:
@@ -192,7 +191,6 @@ class PolicyTrainer:
             self._share = sharing_pays(
                 prompt_tokens / rows, completion_tokens / rows, on_gpu=self.device.type == "cuda"
             )
-        self._graphed = self.graphs is not None and not self._share
         return self._share
 
     def _shares_prefix(self, batch: TrainBatch, size: int, mini: list[int]) -> bool:
@@ -237,17 +235,19 @@ class PolicyTrainer:
         read as compute-dtype copies (``compute_weights``) when the run is mixed and ``model`` is a
         plain module. An FSDP2-sharded policy computes in bf16 through its MixedPrecisionPolicy
         already (``shard_policy``), so it gets nothing here; nor does any module of a run whose
-        compute dtype is its parameter dtype (the CPU default). With ``model.cuda_graphs`` the policy's
-        body casts its weights inside its graphs, so only its LM head is cast here."""
+        compute dtype is its parameter dtype (the CPU default). A graphed body (``model.cuda_graphs``)
+        casts its weights inside its graphs, so only the LM head is cast here."""
         if not self.precision.mixed:
             return nullcontext()
-        if self._graphed and model is self.model:
+        if self._body_forward(model) is not None:
             return compute_weights(split_body_and_head(model)[1], self.precision)
         return mixed_forward(model, compute_weights(model, self.precision))
 
     def _body_forward(self, model: nn.Module) -> BodyForward | None:
-        """The policy body's CUDA graphs (``model.cuda_graphs``) for a forward of the policy, else None."""
-        return self.graphs.hidden_states if self.graphs is not None and self._graphed and model is self.model else None
+        """The policy body's CUDA graphs for the policy's forwards in an unshared batch, else None."""
+        if self.graphs is None or self._share or model is not self.model:
+            return None
+        return self.graphs.hidden_states
 
     def _logprobs(
         self, model: nn.Module, mb: PolicyBatch | GroupedBatch, images: ImageInputs | None = None
