@@ -55,6 +55,8 @@
 #          step's size (135M, tiny30; profiled; three lengths in turn), at W's (0.4B) and at 1.5B
 #   cgraphsb its GPU tests again, the update at 0.4B and 1.5B, the small job as shipped and with model.cuda_graphs=true
 #   cgraphsc W with and without them, then TRL's small task; cgraphsd TRL on W (the same lease's ratios)
+#   syncplan the weight sync alone, vLLM's weight loaders against the copy plan's one foreach copy (tiny30,
+#          135M, 0.4B; benchmarks/weight_sync_plan.py), then the small job as shipped (its timer/weight_sync_s)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -469,6 +471,14 @@ case "${1:-}" in
     environment
     model 0.5b /tmp/m05
     trl w 150 /tmp/m05 32,8,256
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  syncplan)
+    environment
+    device_info
+    timeout 200 python3 benchmarks/weight_sync_plan.py --shapes tiny30,135m,0.5b --device cuda --out "$R/sync_plan.json" \
+      >"$R/sync_plan.log" 2>&1; echo "sync plan rc=$?"; grep -E "^\||Error" "$R/sync_plan.log" | cut -c1-260
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    small_job small_shipped 190
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;

@@ -148,10 +148,11 @@ def test_sleep_frees_memory_and_an_update_moves_the_engine_logprobs(engine, mode
     torch.cuda.synchronize()
     free_awake = torch.cuda.mem_get_info()[0]
     # a dense bf16 model on CUDA: written in place by the model's weight loaders (vllm_weight_load.py),
-    # every parameter reported written (else the engine would have fallen back to vLLM's reload)
-    assert engine.direct_weight_load
+    # every parameter reported written (else the engine would have fallen back to vLLM's reload); the
+    # first load learned the copy plan (vllm_copy_plan.py), which wrote this second one
+    assert engine.direct_weight_load and engine._copy_plan is not None
     REPORT.update(
-        weight_load="in place (model.load_weights)",
+        weight_load="in place (copy plan after model.load_weights)",
         sleep_s=engine.last_sleep_s,
         wake_s=engine.last_wake_s,
         weight_sync_s=engine.last_sync_s,
@@ -172,6 +173,30 @@ def test_sleep_frees_memory_and_an_update_moves_the_engine_logprobs(engine, mode
     )
     assert float(gaps.mean()) < MEAN_GAP_TOL, REPORT
     assert float(moved.mean()) > 4 * float(gaps.mean()) and float(moved.mean()) > 0.05, REPORT
+
+
+def test_the_copy_plan_writes_fp32_master_weights_as_vllms_loaders_do(engine, model_dir: str) -> None:
+    """The trainer's fp32 master weights through the copy plan (one foreach copy, cast to the engine's
+    bf16 on the way) leave vLLM's parameters bit for bit as its own weight loaders leave them."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.rollout.vllm_weight_load import load_in_place
+
+    masters = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().state_dict()
+    moved = {name: t + 1e-3 * torch.randn_like(t) for name, t in masters.items()}
+    engine.load_weights(moved, version=7)
+    assert engine._copy_plan is not None and engine.weight_version == 7
+
+    def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    by_plan = engine._llm.apply_model(snapshot)[0]
+    cast = [(name, t.to(torch.bfloat16)) for name, t in moved.items()]
+    assert engine._llm.apply_model(load_in_place(cast)) == [[]]
+    by_loaders = engine._llm.apply_model(snapshot)[0]
+    assert by_plan.keys() == by_loaders.keys()
+    assert [name for name in by_plan if not torch.equal(by_plan[name], by_loaders[name])] == []
+    assert not torch.equal(by_plan["model.norm.weight"], masters["model.norm.weight"].to(torch.bfloat16))
 
 
 def test_call_seeding_is_refused_on_cuda(tiny_model_dir: str) -> None:

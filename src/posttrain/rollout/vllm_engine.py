@@ -12,8 +12,10 @@ Image prompts of a vision-language policy go with their decoded images (``rollou
 Weights move in-process: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 so ``receive_weights`` hands the policy's tensors (``PolicyWeights.full_state_dict()``, gathered
 when sharded) to vLLM unserialized: a plain dense model on CUDA writes them in place with its own
-``load_weights`` (Hugging Face names onto the fused layers; ``rollout/vllm_weight_load.py``), others
-go through vLLM's ``reload_weights`` (which redoes the post-load processing). Then the engine drops
+``load_weights`` (Hugging Face names onto the fused layers; ``rollout/vllm_weight_load.py``), and
+from the second sync on with one foreach copy into the places the first one wrote
+(``rollout/vllm_copy_plan.py``); others go through vLLM's ``reload_weights`` (which redoes the
+post-load processing). Then the engine drops
 the prefix cache (KV of the old weights) and only then stamps the version. A transfer that fails
 midway poisons the engine (``rollout/state.py``).
 
@@ -39,7 +41,6 @@ import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +50,7 @@ from posttrain.models.chat import eos_token_ids
 from posttrain.models.moe import checkpoint_layout
 from posttrain.rollout.base import RolloutBatch, SamplingParams, check_generate_inputs, generation_stats
 from posttrain.rollout.state import RESUME_HINT, EngineState, records_logprobs
+from posttrain.rollout.vllm_copy_plan import CopyPlan, checked_copy_plan
 from posttrain.rollout.vllm_images import (
     IMAGE_PAD,
     ban_tokens,
@@ -78,7 +80,7 @@ from posttrain.rollout.vllm_runtime import (
 )
 from posttrain.rollout.vllm_seeding import call_seed, engine_seeding, generators_seeded
 from posttrain.rollout.vllm_shared_weights import WORKER_EXTENSION, SharedWeightsSender
-from posttrain.rollout.vllm_weight_load import load_in_place, loads_in_place
+from posttrain.rollout.vllm_weight_load import checkpoint_tensor_names, load_in_place, loads_in_place
 
 if TYPE_CHECKING:
     from posttrain.distributed.fsdp import PolicyWeights
@@ -197,6 +199,8 @@ class VLLMRolloutEngine:
         self.direct_weight_load = self._shared is None and all(
             self._llm.apply_model(functools.partial(loads_in_place, cuda=cuda))
         )
+        self._copy_plan: CopyPlan | None = None  # learned at the first in-place load (vllm_copy_plan.py)
+        self._copy_plan_tried = False
         # a seeded call: the engine's generators seeded once (call_seeds), or a seed per prompt
         workers = self._llm.llm_engine.vllm_config.parallel_config.world_size  # vLLM's TP x PP
         self.seeding = engine_seeding(call_seeds, separate_process=separate_process, vllm_workers=workers)
@@ -307,9 +311,9 @@ class VLLMRolloutEngine:
         once the whole transfer succeeded. Any failure poisons the engine (mixed weights)."""
         self.state.check_usable()
         # stacked expert parameters go per expert when the checkpoint names them so (models/moe.py)
-        named = checkpoint_layout(_pairs(named_tensors), self._checkpoint_names)
-        pairs = [(name, _as_engine_dtype(tensor.detach(), self.weight_dtype)) for name, tensor in named]
-        missing = self._checkpoint_names - {name for name, _ in pairs}
+        layout = checkpoint_layout(_pairs(named_tensors), self._checkpoint_names)
+        named = [(name, tensor.detach()) for name, tensor in layout]
+        missing = self._checkpoint_names - {name for name, _ in named}
         if missing:  # refused before anything is written: the engine keeps its current weights
             raise TrainingError(
                 f"load_weights for version {version} got no tensor for {len(missing)} of the model's "
@@ -323,16 +327,11 @@ class VLLMRolloutEngine:
             # post-load processing (on CPU the linear weights are repacked, so writing the original
             # parameters with model.load_weights is not enough).
             if self._shared is not None:
-                self._shared.push(pairs)
+                self._shared.push(self._cast(named))
             elif self.direct_weight_load:
-                self._load_in_place(pairs)
+                self._load_in_place(named)
             else:
-                with self._engine_thread_count():
-                    self._llm.collective_rpc(
-                        "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
-                    )
-                    if self._repack_moe:  # vLLM's CPU build skips its MoE prepack on reloads (vllm_moe.py)
-                        self._llm.apply_model(repack_cpu_moe)
+                self._reload(self._cast(named))
             self._weights_dropped = False
             self.wake_up()
             self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
@@ -345,10 +344,27 @@ class VLLMRolloutEngine:
         self.last_sync_s = time.perf_counter() - start
         self._commit(version)
 
-    def _load_in_place(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        """The model's own weight loaders write ``pairs`` into its parameters. Should a model report
-        parameters it did not write, this engine falls back to vLLM's reload from now on, and the
-        reload writes every tensor of this transfer again (so no transfer is ever partial)."""
+    def _cast(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        return [(name, _as_engine_dtype(tensor, self.weight_dtype)) for name, tensor in named]
+
+    def _reload(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's own reload (``reload_weights``, checkpoint format), and the MoE repack it skips on CPU."""
+        with self._engine_thread_count():
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True})
+            if self._repack_moe:  # vLLM's CPU build skips its MoE prepack on reloads (vllm_moe.py)
+                self._llm.apply_model(repack_cpu_moe)
+
+    def _load_in_place(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """The model's own weight loaders write the transfer into its parameters; once a copy plan is
+        learned and checked on such a load (``rollout/vllm_copy_plan.py``), one foreach copy does, also
+        casting fp32 master weights (after a level-2 sleep the loaders run again: they also refill
+        what no tensor carries). Should a model report parameters it did not write, this engine falls
+        back to vLLM's reload from now on, and the reload writes every tensor of this transfer again
+        (so no transfer is ever partial)."""
+        if self._copy_plan is not None and not self._weights_dropped:
+            self._copy_plan.copy_(named)
+            return
+        pairs = self._cast(named)
         with self._engine_thread_count():
             unwritten = [name for names in self._llm.apply_model(load_in_place(pairs)) for name in names]
         if unwritten:
@@ -359,10 +375,10 @@ class VLLMRolloutEngine:
                 unwritten[:3],
             )
             self.direct_weight_load = False
-            with self._engine_thread_count():
-                self._llm.collective_rpc(
-                    "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
-                )
+            self._reload(pairs)
+        elif self._copy_plan is None and not self._copy_plan_tried:
+            self._copy_plan_tried = True
+            self._copy_plan = checked_copy_plan(self._llm, pairs)
 
     def _commit(self, version: int) -> None:
         """Stamp ``version`` once a whole transfer of its weights succeeded, and remember that vLLM
@@ -480,15 +496,3 @@ def _pairs(
     named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
 ) -> Iterable[tuple[str, torch.Tensor]]:
     return named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-
-
-def checkpoint_tensor_names(model_dir: str) -> set[str]:
-    """Names of the tensors in ``model_dir``'s safetensors files: what a complete transfer covers
-    (empty when the checkpoint is not in safetensors, and then nothing is checked)."""
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            names.update(f.keys())
-    return names

@@ -7,7 +7,8 @@ graphs captured. For a plain dense model on CUDA none of that processing does an
 (``UnquantizedLinearMethod`` and ``UnquantizedEmbeddingMethod`` process weights only on the CPU
 platform, vLLM 0.24), so the model's own ``load_weights`` (its weight loaders shard and fuse the
 Hugging Face tensors straight into the existing parameters) gives the same weights with one copy per
-tensor and no allocation: the small step's weight sync is mostly this fixed cost.
+tensor and no allocation. Its Python per tensor is the rest of the small step's sync, which the copy
+plan (``rollout/vllm_copy_plan.py``) replaces from the second sync on.
 
 ``loads_in_place`` decides, once per engine, whether a model is such a plain model; anything else
 (quantized layers, fused experts, a vision tower, an unknown quantization method) keeps the reload.
@@ -16,8 +17,10 @@ tensor and no allocation: the small step's weight sync is mostly this fixed cost
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 # vLLM's quantization methods whose post-load processing is a no-op off the CPU platform.
 PLAIN_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
@@ -54,3 +57,13 @@ def load_in_place(pairs: Sequence[tuple[str, torch.Tensor]]) -> Callable[[torch.
         return sorted({name for name, _ in model.named_parameters()} - set(written))
 
     return apply
+
+
+def checkpoint_tensor_names(model_dir: str) -> set[str]:
+    """Names of the tensors in ``model_dir``'s safetensors files: what a complete transfer covers
+    (empty when the checkpoint is not in safetensors, and then nothing is checked)."""
+    names: set[str] = set()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    return names
