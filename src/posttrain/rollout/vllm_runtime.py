@@ -67,12 +67,34 @@ def build_llm(vllm: Any, **engine_args: Any) -> tuple[Any, int]:
     cores SmolLM2-135M sampled 58 tokens/s with vLLM's one thread and 22-25 with two.
     """
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    complete_expert_group()
     try:
         llm = vllm.LLM(**engine_args)
         return llm, torch.get_num_threads()
     finally:
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
+
+
+def complete_expert_group() -> None:
+    """Give vLLM's process-wide parallel groups the expert-parallel group an earlier engine left out.
+
+    vLLM keeps one set of parallel groups per process, made by the first engine, and makes the
+    expert-parallel group only when that engine's model is a mixture of experts. A later engine's
+    MoE layers then ask for it and fail ("expert parallel group is not initialized"): a dense
+    student's rollout engine followed by an MoE teacher in one process. For the one-rank world of
+    such in-process engines the group is that rank alone, so it is made here, as vLLM would have.
+    Nothing happens before the first engine, when the group exists, or in a wider world.
+    """
+    from vllm.distributed import parallel_state as state
+
+    if getattr(state, "_EP", None) is not None or not state.model_parallel_is_initialized():
+        return
+    world = state.get_world_group()
+    if world.world_size != 1:
+        return
+    backend = torch.distributed.get_backend(world.device_group)
+    state._EP = state.init_model_parallel_group([[world.rank]], world.local_rank, backend, group_name="ep")
 
 
 def shutdown_llm(llm: Any) -> None:
