@@ -57,6 +57,8 @@
 #   cgraphsc W with and without them, then TRL's small task; cgraphsd TRL on W (the same lease's ratios)
 #   syncplan the weight sync alone, vLLM's weight loaders against the copy plan's one foreach copy (tiny30,
 #          135M, 0.4B; benchmarks/weight_sync_plan.py), then the small job as shipped (its timer/weight_sync_s)
+#          and with rollout.async_scheduling=true (vLLM's scheduling of decode step k+1 beside step k's GPU work;
+#          no help at W, fifth session, not tried on the small step, whose rollout is 16 host-bound steps)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -479,6 +481,8 @@ case "${1:-}" in
       >"$R/sync_plan.log" 2>&1; echo "sync plan rc=$?"; grep -E "^\||Error" "$R/sync_plan.log" | cut -c1-260
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
     small_job small_shipped 190
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    small_job small_async 190 rollout.async_scheduling=true
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
