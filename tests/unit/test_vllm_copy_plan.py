@@ -27,8 +27,12 @@ class Stacked(nn.Module):
     """Stacks and pads as vLLM's Llama does; ``transform`` / ``permute`` make a loader the plan
     cannot stand in for."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32, transform: bool = False, permute: bool = False) -> None:
+    def __init__(
+        self, dtype: torch.dtype = torch.float32, transform: bool = False, permute: bool = False, buffer: bool = False
+    ) -> None:
         super().__init__()
+        self.register_buffer("norm_copy", torch.full((D,), 3.0, dtype=dtype))
+        self.buffer = buffer
         self.embed = nn.Parameter(torch.full((PADDED, D), 7.0, dtype=dtype), requires_grad=False)
         self.qkv = nn.Parameter(torch.zeros(Q + 2 * KV, D, dtype=dtype), requires_grad=False)
         self.gate_up = nn.Parameter(torch.zeros(2 * FF, D, dtype=dtype), requires_grad=False)
@@ -52,6 +56,8 @@ class Stacked(nn.Module):
                 getattr(self, param).data.narrow(0, offset, w.shape[0]).copy_(w.flip(0) if self.permute else w)
             else:
                 getattr(self, key).data.copy_(w * 2 if self.transform else w)
+                if key == "norm" and self.buffer:  # a loader that also fills a buffer from a tensor
+                    self.norm_copy.copy_(w)
             written.add({"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up"}.get(key, key))
         return written
 
@@ -113,6 +119,13 @@ def test_learning_leaves_every_parameter_its_storage_and_values() -> None:
 def test_loaders_the_plan_cannot_stand_in_for_leave_no_plan(model: Stacked, reason: str) -> None:
     plan = learn_copy_plan(model, transfer(0))
     assert isinstance(plan, str) and reason in plan
+
+
+def test_a_loader_that_writes_a_buffer_leaves_no_plan_and_the_buffer_as_it_was() -> None:
+    model = Stacked(buffer=True)
+    plan = learn_copy_plan(model, transfer(0))
+    assert isinstance(plan, str) and "buffer norm_copy" in plan
+    assert torch.equal(model.norm_copy, torch.full((D,), 3.0))  # not the probe's ids
 
 
 def test_a_loader_that_refuses_the_probe_leaves_no_plan_and_the_storage_back() -> None:

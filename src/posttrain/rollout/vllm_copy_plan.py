@@ -14,8 +14,9 @@ the weight-loader attributes vLLM keeps on the parameter object stay), sends the
 ``load_weights`` one probe per tensor whose rows carry ids unique over the whole transfer (n + 1/2,
 so that arithmetic on them shows), and puts the real storage back. A tensor whose ids arrive as one
 run of consecutive rows, in order and complete, has a destination: that run of rows of that
-parameter. Anything else (rows permuted or split, values transformed, a loader that refuses the
-stand-in) leaves no plan, and the engine keeps the loaders. The plan is then checked once against
+parameter. Anything else (rows permuted or split, values transformed, a buffer written, a loader
+that refuses the stand-in) leaves no plan, and the engine keeps the loaders; buffers the probe
+wrote are put back. The plan is then checked once against
 a real load by those same loaders, which also catches anything a row probe cannot see (a transform
 within rows): every destination must hold exactly what the loaders wrote.
 """
@@ -90,6 +91,7 @@ def learn_copy_plan(model: torch.nn.Module, named: Sequence[tuple[str, torch.Ten
         name: torch.full((p.shape[0], *[1] * (p.dim() - 1)), _UNWRITTEN, dtype=torch.float64)
         for name, p in params.items()
     }
+    buffers = {name: b.clone() for name, b in model.named_buffers()}  # a loader writing one is no parameter's
     try:
         for name, param in params.items():
             param.data = stand_ins[name]
@@ -101,11 +103,26 @@ def learn_copy_plan(model: torch.nn.Module, named: Sequence[tuple[str, torch.Ten
     finally:
         for name, param in params.items():
             param.data = saved[name]
-    return _read_plan(params, saved, stand_ins, dict(named), starts)
+            if param.data_ptr() != saved[name].data_ptr():  # vLLM's graphs read that memory: poison
+                raise RuntimeError(f"parameter {name} did not get its storage back after the copy plan's probe")
+        written = _restore_buffers(model, buffers)
+    if written:
+        return f"the loaders write buffer {written[0]}, which a copy plan does not cover"
+    return _read_plan(saved, stand_ins, dict(named), starts)
+
+
+def _restore_buffers(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
+    """Put back every buffer the probe changed; their names."""
+    changed = []
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in before and not torch.equal(buffer, before[name]):
+                buffer.copy_(before[name])
+                changed.append(name)
+    return changed
 
 
 def _read_plan(
-    params: dict[str, torch.nn.Parameter],
     saved: dict[str, torch.Tensor],
     stand_ins: dict[str, torch.Tensor],
     tensors: dict[str, torch.Tensor],
@@ -119,8 +136,6 @@ def _read_plan(
     views: list[torch.Tensor] = []
     for pname, stand_in in stand_ins.items():
         ids = stand_in.reshape(stand_in.shape[0])
-        if params[pname].data.data_ptr() != saved[pname].data_ptr():
-            return f"parameter {pname} did not get its storage back"
         carried = ~torch.isnan(ids) & (ids != 0)  # 0.0: rows a loader filled with zeros (vocabulary padding)
         if not carried.any():
             continue

@@ -15,9 +15,8 @@ when sharded) to vLLM unserialized: a plain dense model on CUDA writes them in p
 ``load_weights`` (Hugging Face names onto the fused layers; ``rollout/vllm_weight_load.py``), and
 from the second sync on with one foreach copy into the places the first one wrote
 (``rollout/vllm_copy_plan.py``); others go through vLLM's ``reload_weights`` (which redoes the
-post-load processing). Then the engine drops
-the prefix cache (KV of the old weights) and only then stamps the version. A transfer that fails
-midway poisons the engine (``rollout/state.py``).
+post-load processing). Then the engine drops the prefix cache (KV of the old weights) and only then
+stamps the version. A transfer that fails midway poisons the engine (``rollout/state.py``).
 
 With ``separate_process`` (``rollout.separate_engine_process``) the engine core runs in a process of
 its own instead, so sampling in a background thread does not take turns with the trainer on this
