@@ -82,19 +82,17 @@ def complete_expert_group() -> None:
     vLLM keeps one set of parallel groups per process, made by the first engine, and makes the
     expert-parallel group only when that engine's model is a mixture of experts. A later engine's
     MoE layers then ask for it and fail ("expert parallel group is not initialized"): a dense
-    student's rollout engine followed by an MoE teacher in one process. For the one-rank world of
-    such in-process engines the group is that rank alone, so it is made here, as vLLM would have.
-    Nothing happens before the first engine, when the group exists, or in a wider world.
+    student's rollout engine followed by an MoE teacher in one process. These engines use no data or
+    pipeline parallelism, so the group vLLM would have made is its whole world (every tensor-parallel
+    rank); it is made here. Nothing happens before the first engine, or when the group exists.
     """
     from vllm.distributed import parallel_state as state
 
     if getattr(state, "_EP", None) is not None or not state.model_parallel_is_initialized():
         return
     world = state.get_world_group()
-    if world.world_size != 1:
-        return
     backend = torch.distributed.get_backend(world.device_group)
-    state._EP = state.init_model_parallel_group([[world.rank]], world.local_rank, backend, group_name="ep")
+    state._EP = state.init_model_parallel_group([list(world.ranks)], world.local_rank, backend, group_name="ep")
 
 
 def shutdown_llm(llm: Any) -> None:
