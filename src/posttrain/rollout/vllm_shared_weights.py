@@ -75,9 +75,9 @@ class SharedWeightsSender:
         device = pairs[0][1].device if pairs else torch.device("cpu")
         if layout != self.layout or self.buffer is None or self.buffer.device != device:
             self._attach(layout, size, device)
-        with torch.no_grad():
-            for (_, view), (_, tensor) in zip(self.views, pairs):
-                view.copy_(tensor, non_blocking=True)
+        if pairs:  # one foreach copy, not a copy_ call per tensor
+            with torch.no_grad():
+                torch._foreach_copy_([view for _, view in self.views], [t for _, t in pairs], non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the worker reads on its own stream, in its own process
         self.llm.collective_rpc("posttrain_reload_shared")
