@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -194,9 +195,11 @@ def test_the_engine_loads_with_the_loaders_once_then_by_the_plan() -> None:
     assert model.loads == 3
 
 
-def test_the_engine_keeps_the_loaders_where_no_plan_passes() -> None:
+def test_the_engine_keeps_the_loaders_where_no_plan_passes(caplog: pytest.LogCaptureFixture) -> None:
     model = Stacked(permute=True)
     engine = engine_on(model)
-    engine._load_in_place(transfer(0))
+    with caplog.at_level(logging.WARNING, logger="posttrain.rollout"):
+        engine._load_in_place(transfer(0))
+    assert "keeps vLLM's weight loaders" in caplog.text and "does not land as one run" in caplog.text
     engine._load_in_place(transfer(1))
     assert engine._copy_plan is None and model.loads == 3  # loaded, probed once (refused), loaded

@@ -168,13 +168,13 @@ def _read_plan(
 
 def checked_copy_plan(llm: Any, pairs: Sequence[tuple[str, torch.Tensor]]) -> CopyPlan | None:
     """The copy plan of the vLLM ``LLM``'s model, learned on ``pairs`` right after the model's own
-    loaders wrote them, or None (the reason logged) where there is none or it fails its check: the
+    loaders wrote them, or None (a warning says why) where there is none or it fails its check: the
     model must live in this process (one worker, its views the live parameters' storage), and every
     destination must hold exactly what the loaders just wrote."""
     start = time.perf_counter()
     plan = _learn_and_check(llm, pairs)
-    if isinstance(plan, str):
-        _log.info("weight sync keeps vLLM's weight loaders: %s", plan)
+    if isinstance(plan, str):  # a plain dense model whose loaders a plan should stand in for: say why not
+        _log.warning("weight sync keeps vLLM's weight loaders (a Python call per tensor): %s", plan)
         return None
     _log.info(
         "weight sync: one foreach copy of %d tensors into vLLM's parameters from now on (learned in %.2f s)",
