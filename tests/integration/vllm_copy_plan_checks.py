@@ -88,7 +88,6 @@ def check(model_dir: str) -> dict[str, object]:
         "nowhere": sorted(plan.nowhere),
         "mismatched_after_loaders": mismatched,
         "differing_from_loaders": differing,
-        "parameters": sorted(name for name, _ in model.named_parameters()),
         "bfloat16": all(p.dtype == torch.bfloat16 for p in model.parameters()),
         "not_moved_by_plan": unmoved,
     }
