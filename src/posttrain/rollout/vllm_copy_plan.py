@@ -131,7 +131,7 @@ def _read_plan(
     """The plan the probe's ids spell out, or why they spell none."""
     order = sorted(starts, key=starts.__getitem__)
     first_ids = torch.tensor([starts[n] for n in order], dtype=torch.float64)
-    landed: dict[str, int] = {}
+    landed: set[str] = set()
     names: list[str] = []
     views: list[torch.Tensor] = []
     for pname, stand_in in stand_ins.items():
@@ -162,8 +162,8 @@ def _read_plan(
                 return f"{name} {tuple(tensors[name].shape)} lands in rows of shape {tuple(view.shape)} ({pname})"
             names.append(name)
             views.append(view)
-            landed[name] = landed.get(name, 0) + 1
-    return CopyPlan(tuple(names), tuple(views), frozenset(set(tensors) - set(landed)))
+            landed.add(name)
+    return CopyPlan(tuple(names), tuple(views), frozenset(set(tensors) - landed))
 
 
 def checked_copy_plan(llm: Any, pairs: Sequence[tuple[str, torch.Tensor]]) -> CopyPlan | None:
