@@ -59,6 +59,9 @@
 #          135M, 0.4B; benchmarks/weight_sync_plan.py), then the small job as shipped (its timer/weight_sync_s)
 #          and with rollout.async_scheduling=true (vLLM's scheduling of decode step k+1 beside step k's GPU work;
 #          no help at W, fifth session, not tried on the small step, whose rollout is 16 host-bound steps)
+#   smallreq the small job's rollout requests: unseeded (rollout.seed=null: no per-request generator in vLLM's
+#          sampler) and without sampler logprobs (rollout.sampler_logprobs_every=0); W's fifth-session arms did
+#          not separate above its noise, the small step's 16-token rollout is not measured that way
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -483,6 +486,12 @@ case "${1:-}" in
     small_job small_shipped 190
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
     small_job small_async 190 rollout.async_scheduling=true
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  smallreq)
+    environment
+    small_job small_unseeded 190 rollout.seed=null
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    small_job small_nologprobs 190 rollout.sampler_logprobs_every=0
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
