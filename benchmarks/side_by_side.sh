@@ -247,7 +247,7 @@ case "${1:-}" in
     environment
     mkdir -p "$R/tests"
     files="cuda_graphs_gpu:200 fused_kernels_gpu:120 gpu_smoke:60 vllm_gpu:150 checkpoint_gpu:150"
-    [ "$1" = testsmv ] && files="moe_gpu:150 vl_grpo_gpu:170"
+    [ "$1" = testsmv ] && files="moe_gpu:260 vl_grpo_gpu:170"
     for f in $files; do
       name=${f%%:*}
       POSTTRAIN_GPU_TEST_REPORT=$R/tests/$name.json timeout "${f##*:}" python3 -m pytest -m gpu -q -s -p no:cacheprovider "tests/gpu/test_$name.py" \

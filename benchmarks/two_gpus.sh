@@ -113,7 +113,7 @@ case ${1:-} in
     ) >"$R/phase1_gpu0.out" 2>&1 &
     g0=$!
     (export CUDA_VISIBLE_DEVICES=1
-     for f in moe_gpu:150 vl_grpo_gpu:170; do gputest "${f%%:*}" "${f##*:}"; done
+     for f in moe_gpu:260 vl_grpo_gpu:170; do gputest "${f%%:*}" "${f##*:}"; done
     ) >"$R/phase1_gpu1.out" 2>&1 &
     wait "$g0" $!
     cat "$R/phase1_gpu0.out" "$R/phase1_gpu1.out"

@@ -93,3 +93,29 @@ def test_grpo_with_routing_replay_end_to_end(moe_dir: str, grpo_run: Callable[..
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:  # every prompt and completion token pinned (completion tokens alone are fewer)
         assert r["train/routing_replay_pinned_tokens"] > r["train/valid_token_count"] > 0
+
+
+def test_a_moe_engine_after_a_dense_one_in_one_process(moe_dir: str, tmp_path: Path) -> None:
+    """A dense engine, then an MoE one, in a fresh process (a dense student's rollout engine, then an
+    MoE teacher): vLLM makes its parallel groups with the first engine, without the expert group the
+    MoE layers ask for (vllm_runtime.complete_expert_group; the CPU build's check is in
+    tests/integration/test_moe_vllm.py). bf16 on both sides, different kernels: the gaps are
+    test_vllm_gpu.py's."""
+    import json
+    import subprocess
+    import sys
+
+    from posttrain.models.tiny import make_tiny_model
+
+    dense = make_tiny_model(str(tmp_path / "dense"), str(TOKENIZER), num_heads=2, num_kv_heads=1)
+    script = Path(__file__).resolve().parents[1] / "integration" / "moe_after_dense.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), dense, moe_dir, "bfloat16", "cuda", "0.1"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gaps = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert gaps["tokens"] > 0 and gaps["gap_mean"] < 0.1 and gaps["gap_max"] < 1.0, gaps
