@@ -59,6 +59,9 @@
 #          135M, 0.4B; benchmarks/weight_sync_plan.py), then the small job as shipped (its timer/weight_sync_s)
 #          and with rollout.async_scheduling=true (vLLM's scheduling of decode step k+1 beside step k's GPU work;
 #          no help at W, fifth session, not tried on the small step, whose rollout is 16 host-bound steps)
+#   flatlp vLLM's flat logprobs against the per-token dicts posttrain asked for before (benchmarks/vllm_flat_logprobs.py
+#          on W's 0.4B model in bf16: W's rollout call, score centering's 128-token head, a teacher's
+#          prompt_logprobs=8), then W as shipped (all of it with flat logprobs now), then the small job as shipped
 #   smallreq the small job's rollout requests: unseeded (rollout.seed=null: no per-request generator in vLLM's
 #          sampler) and without sampler logprobs (rollout.sampler_logprobs_every=0); W's fifth-session arms did
 #          not separate above its noise, the small step's 16-token rollout is not measured that way
@@ -486,6 +489,18 @@ case "${1:-}" in
     small_job small_shipped 190
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
     small_job small_async 190 rollout.async_scheduling=true
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  flatlp)
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    timeout 240 python3 benchmarks/vllm_flat_logprobs.py --model /tmp/m05 --dtype bfloat16 --reps 4 \
+      --out "$R/flat_logprobs.json" >"$R/flat_logprobs.log" 2>&1; echo "flat logprobs rc=$?"
+    grep -E "^arm|^rollout|^teacher|Error" "$R/flat_logprobs.log" | cut -c1-200
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    step w_flat 200 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/flat" --arms "shipped:steps=5"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    small_job small_shipped 150
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   smallreq)
     environment

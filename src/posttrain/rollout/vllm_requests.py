@@ -3,6 +3,12 @@ temperature needs, the sampling controls that mode can report, one request per p
 prompt, or unseeded when the engine seeds per call: ``rollout/vllm_seeding.py``), and
 ``Completion``s (token ids, sampler logprobs, top-k head) from vLLM's outputs.
 
+Recorded logprobs come back flat (vLLM's ``FlatLogprobs``: one list each of ids, logprobs and
+ranks for the whole completion) instead of a dict of ``Logprob`` objects per token: at workload W
+that is 65k dicts and 65k objects fewer per call for vLLM to build and the garbage collector to
+walk, and reading the sampled token's logprobs becomes a list copy (docs/benchmarks.md, "Issue 18,
+seventeenth session").
+
 Which logprobs vLLM returns is an engine-wide setting (``logprobs_mode``), not a per-request one:
 
 - ``raw_logprobs`` (vLLM's default): ``log_softmax(raw logits)`` before penalties, temperature and
@@ -21,7 +27,7 @@ otherwise, and refuses sampling controls whose logprobs the chosen mode cannot r
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from posttrain.errors import PosttrainError, TrainingError
@@ -150,6 +156,7 @@ def sampling_request(
         else prompt_seed(params.seed, call_index, prompt_index) + seed_offset,
         stop_token_ids=eos_ids,
         logprobs=max(params.logprobs_topk, 0) if record else None,
+        flat_logprobs=True,
         detokenize=False,
     )
 
@@ -178,17 +185,30 @@ def completion_of(prompt_index: int, sample: Any, k: int, record: bool) -> Compl
         return Completion(prompt_index, token_ids, None, reason, "", {})
     if sample.logprobs is None or len(sample.logprobs) != len(token_ids):
         raise TrainingError("vLLM returned no logprob for some generated token; the engine needs logprobs=0 or more")
-    logprobs = [float(entry[t].logprob) for t, entry in zip(token_ids, sample.logprobs)]
-    extra: dict[str, Any] = {}
-    if k > 0:
-        heads = [_head(entry, k) for entry in sample.logprobs]
-        extra["head_ids"] = [ids for ids, _ in heads]
-        extra["head_logprobs"] = [lps for _, lps in heads]
+    logprobs, extra = _read_flat(sample.logprobs, token_ids, k)
     return Completion(prompt_index, token_ids, logprobs, reason, "", extra)
 
 
-def _head(entry: Mapping[int, Any], k: int) -> tuple[list[int], list[float]]:
-    """The top-``k`` ids and logprobs of one token's vLLM logprob dict (which also holds the sampled
-    id when it fell outside the top k), best first."""
-    ranked = sorted(entry.items(), key=lambda item: (item[1].rank, -item[1].logprob))[:k]
-    return [int(i) for i, _ in ranked], [float(lp.logprob) for _, lp in ranked]
+def _read_flat(flat: Any, token_ids: list[int], k: int) -> tuple[list[float], dict[str, Any]]:
+    """The sampled tokens' logprobs (and the top-``k`` heads) of one completion's ``FlatLogprobs``.
+
+    vLLM stores each position's entries as the sampled token first, then the top ``k`` in rank
+    order, so position ``i``'s run starts with the sampled token at ``start_indices[i]``. With
+    ``k = 0`` every run is that one entry and the lists are the answer as they stand."""
+    if not hasattr(flat, "start_indices"):  # vLLM's FlatLogprobs, by its fields: unit tests run without vLLM
+        raise TrainingError(f"vLLM returned {type(flat).__name__} logprobs, not the flat ones the requests ask for")
+    starts, ids, values = flat.start_indices, flat.token_ids, flat.logprobs
+    if k == 0 and len(ids) == len(token_ids):
+        sampled_ids, logprobs = list(ids), list(values)
+    else:
+        sampled_ids, logprobs = [ids[s] for s in starts], [values[s] for s in starts]
+    if sampled_ids != token_ids:
+        raise TrainingError("vLLM's logprobs name other tokens than the ones it sampled; the completion cannot be read")
+    extra: dict[str, Any] = {}
+    if k > 0:
+        ends = flat.end_indices
+        if any(end - start != k + 1 for start, end in zip(starts, ends)):
+            raise TrainingError(f"vLLM returned a logprob head of other than {k} tokens for some position")
+        extra["head_ids"] = [ids[s + 1 : s + 1 + k] for s in starts]
+        extra["head_logprobs"] = [values[s + 1 : s + 1 + k] for s in starts]
+    return logprobs, extra

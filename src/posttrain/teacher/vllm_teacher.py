@@ -3,7 +3,9 @@
 vLLM scores a token sequence by prefilling it with ``prompt_logprobs=K``: for every position it
 returns the realized token's logprob plus the top-K entries (each with its 1-based rank), from the
 raw logits at temperature 1. The request asks for one new token (``max_tokens=1``), which is
-ignored, and for no detokenization.
+ignored, for no detokenization, and for flat logprobs (vLLM's ``FlatLogprobs``: each position's
+run is the realized token, then the top K in rank order), which spare vLLM a dict and K + 1
+objects per scored token and make reading them list slicing.
 """
 
 from __future__ import annotations
@@ -16,13 +18,23 @@ import torch
 from posttrain.teacher.base import ScoreRequest, SequenceScores, TeacherError, check_requests
 
 
-def _entry_scores(entry: Any, realized: int, top_k: int) -> tuple[float, list[int], list[float]]:
-    """The realized token's logprob and the top-k (by rank) of one position's logprob dict."""
-    if entry is None or realized not in entry:
-        raise TeacherError(f"vLLM returned no prompt logprob for realized token {realized}")
-    ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None))
-    head = [(tid, lp) for rank, tid, lp in ranked if rank <= top_k][:top_k]
-    return float(entry[realized].logprob), [int(t) for t, _ in head], [float(v) for _, v in head]
+def _flat_scores(flat: Any, req: ScoreRequest, top_k: int, n: int) -> SequenceScores:
+    """Request ``n``'s scores from its flat prompt logprobs: position ``i``'s run starts at
+    ``start_indices[i]`` with the realized token, followed by the top ``top_k`` best first."""
+    if not hasattr(flat, "start_indices"):  # vLLM's FlatLogprobs, by its fields
+        raise TeacherError(f"teacher request {n}: vLLM returned {type(flat).__name__} prompt logprobs, not flat ones")
+    ids, values = flat.token_ids, flat.logprobs
+    span = range(req.score_from, len(req.token_ids))
+    starts = [flat.start_indices[i] for i in span]
+    if any(flat.end_indices[i] - flat.start_indices[i] != top_k + 1 for i in span):
+        raise TeacherError(f"teacher request {n}: vLLM returned other than {top_k + 1} prompt logprobs at a position")
+    if [ids[s] for s in starts] != [req.token_ids[i] for i in span]:
+        raise TeacherError(f"teacher request {n}: vLLM's prompt logprobs name other tokens than the request's")
+    return SequenceScores(
+        logprobs=[values[s] for s in starts],
+        topk_ids=[ids[s + 1 : s + 1 + top_k] for s in starts] if top_k else None,
+        topk_logprobs=[values[s + 1 : s + 1 + top_k] for s in starts] if top_k else None,
+    )
 
 
 class VLLMTeacher:
@@ -78,7 +90,9 @@ class VLLMTeacher:
     def score(self, requests: list[ScoreRequest], top_k: int) -> list[SequenceScores]:
         """Teacher scores of every request (see ``teacher.base``)."""
         check_requests(requests, self.vocab_size, self.max_model_len)
-        params = self.vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top_k, detokenize=False)
+        params = self.vllm.SamplingParams(
+            max_tokens=1, temperature=1.0, prompt_logprobs=top_k, flat_logprobs=True, detokenize=False
+        )
         prompts = [{"prompt_token_ids": r.token_ids} for r in requests]
         from posttrain.rollout.vllm_runtime import engine_thread_count
 
@@ -90,14 +104,7 @@ class VLLMTeacher:
             if entries is None or len(entries) != len(req.token_ids):
                 got = None if entries is None else len(entries)
                 raise TeacherError(f"teacher request {n}: vLLM returned {got} prompt logprobs for {len(req.token_ids)}")
-            seq = SequenceScores(logprobs=[], topk_ids=[] if top_k else None, topk_logprobs=[] if top_k else None)
-            for i in range(req.score_from, len(req.token_ids)):
-                lp, ids, lps = _entry_scores(entries[i], req.token_ids[i], top_k)
-                seq.logprobs.append(lp)
-                if seq.topk_ids is not None and seq.topk_logprobs is not None:
-                    seq.topk_ids.append(ids)
-                    seq.topk_logprobs.append(lps)
-            scores.append(seq)
+            scores.append(_flat_scores(entries, req, top_k, n))
         return scores
 
     def close(self) -> None:
