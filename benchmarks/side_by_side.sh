@@ -59,9 +59,11 @@
 #          135M, 0.4B; benchmarks/weight_sync_plan.py), then the small job as shipped (its timer/weight_sync_s)
 #          and with rollout.async_scheduling=true (vLLM's scheduling of decode step k+1 beside step k's GPU work;
 #          no help at W, fifth session, not tried on the small step, whose rollout is 16 host-bound steps)
-#   flatlp vLLM's flat logprobs against the per-token dicts posttrain asked for before (benchmarks/vllm_flat_logprobs.py
-#          on W's 0.4B model in bf16: W's rollout call, score centering's 128-token head, a teacher's
-#          prompt_logprobs=8), then W as shipped (all of it with flat logprobs now), then the small job as shipped
+#   hostcosts  seventeenth session: vLLM's flat logprobs against the per-token dicts posttrain asked for before
+#          (benchmarks/vllm_flat_logprobs.py on W's 0.4B model in bf16: W's rollout call, score centering's
+#          128-token head, a teacher's prompt_logprobs=8); the engine-apart GPU test (its worker's copy plan);
+#          one-step off-policy W with the engine core apart (its sync column: the worker's foreach copy, against
+#          0.08-0.13 s of reload_weights in the twelfth session); hostcosts2: W as shipped, the small job as shipped
 #   smallreq the small job's rollout requests: unseeded (rollout.seed=null: no per-request generator in vLLM's
 #          sampler) and without sampler logprobs (rollout.sampler_logprobs_every=0); W's fifth-session arms did
 #          not separate above its noise, the small step's 16-token rollout is not measured that way
@@ -249,7 +251,7 @@ case "${1:-}" in
     # graphs (their tiny updates), `testsmv` the MoE and vision-language ones (both autos leave those plain)
     environment
     mkdir -p "$R/tests"
-    files="cuda_graphs_gpu:200 fused_kernels_gpu:120 gpu_smoke:60 vllm_gpu:150 checkpoint_gpu:150"
+    files="cuda_graphs_gpu:200 fused_kernels_gpu:120 gpu_smoke:60 vllm_gpu:150 checkpoint_gpu:150 engine_apart_gpu:150"
     [ "$1" = testsmv ] && files="moe_gpu:260 vl_grpo_gpu:170"
     for f in $files; do
       name=${f%%:*}
@@ -490,14 +492,24 @@ case "${1:-}" in
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
     small_job small_async 190 rollout.async_scheduling=true
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
-  flatlp)
+  hostcosts)
     environment
     device_info
     model 0.5b /tmp/m05
     timeout 240 python3 benchmarks/vllm_flat_logprobs.py --model /tmp/m05 --dtype bfloat16 --reps 4 \
       --out "$R/flat_logprobs.json" >"$R/flat_logprobs.log" 2>&1; echo "flat logprobs rc=$?"
     grep -E "^arm|^rollout|^teacher|Error" "$R/flat_logprobs.log" | cut -c1-200
+    mkdir -p "$R/tests"
+    POSTTRAIN_GPU_TEST_REPORT=$R/tests/engine_apart_gpu.json timeout 150 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+      tests/gpu/test_engine_apart_gpu.py >"$R/tests/engine_apart_gpu.log" 2>&1
+    echo "engine_apart_gpu rc=$?"; tail -2 "$R/tests/engine_apart_gpu.log" | cut -c1-300
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    step w_offpolicy_plan 170 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
+      --out "$R/w_offpolicy_plan.json"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  hostcosts2)
+    environment
+    model 0.5b /tmp/m05
     step w_flat 200 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/flat" --arms "shipped:steps=5"
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
     small_job small_shipped 150

@@ -2,7 +2,9 @@
 a tied head, one without, and a Qwen2 with biased q/k/v, built on the CPU from tiny random
 checkpoints (tests/integration/vllm_copy_plan_checks.py says why without an engine, and why in a
 process of its own). The plan, learned on one transfer, must write a second exactly as vLLM's weight
-loaders do, fp32 master tensors cast to the bf16 model on the way."""
+loaders do, fp32 master tensors cast to the bf16 model on the way; and the engine process's side of
+``rollout.separate_engine_process`` (``ViewSync``) must write views of one flat buffer into the model
+by the loaders first, by the plan after, exactly as the loaders would."""
 
 from __future__ import annotations
 
@@ -49,3 +51,12 @@ def test_the_plan_writes_a_transfer_exactly_as_vllms_loaders(results: dict[str, 
     tied = model != "llama_untied"
     assert got["nowhere"] == (["lm_head.weight"] if tied else [])  # vLLM skips a tied head
     assert got["tensors"] == got["transfer"] - tied
+
+
+@pytest.mark.parametrize("model", ["llama_tied", "llama_untied", "qwen2"])
+def test_the_engine_process_writes_mapped_views_by_the_plan_as_the_loaders_would(
+    results: dict[str, dict], model: str
+) -> None:
+    got = results[model]["view_sync"]
+    assert got["paths"] == ["loaders", "plan"]  # the first sync teaches the plan, the second uses it
+    assert got["differing_from_loaders"] == []

@@ -81,6 +81,7 @@ def check(model_dir: str) -> dict[str, object]:
         model.load_weights(iter(second))
         differing = [name for name, p in model.named_parameters() if not torch.equal(p, by_plan[name])]
         unmoved = [name for name, value in by_plan.items() if torch.equal(value, before[name])]
+        view_sync = check_view_sync(model, first)
     return {
         "plan": True,
         "tensors": len(plan.names),
@@ -90,6 +91,29 @@ def check(model_dir: str) -> dict[str, object]:
         "differing_from_loaders": differing,
         "bfloat16": all(p.dtype == torch.bfloat16 for p in model.parameters()),
         "not_moved_by_plan": unmoved,
+        "view_sync": view_sync,
+    }
+
+
+def check_view_sync(model: torch.nn.Module, first: list[tuple[str, torch.Tensor]]) -> dict[str, object]:
+    """The engine process's side of ``rollout.separate_engine_process`` (``ViewSync``) on views of one
+    flat buffer, as the trainer fills it (cast to the engine's bf16): two syncs, then the loaders write
+    the same transfer; every parameter must come out as the second sync left it."""
+    from posttrain.rollout.vllm_shared_weights import ViewSync, buffer_views, plan_layout
+
+    transfers = [[(n, (t + 0.02 * k * torch.randn_like(t)).to(torch.bfloat16)) for n, t in first] for k in (1, 2)]
+    layout, size = plan_layout(transfers[0])
+    views = buffer_views(torch.empty(size, dtype=torch.uint8), layout)
+    sync = ViewSync(views, in_place=True)
+    paths = []
+    for pairs in transfers:
+        torch._foreach_copy_([v for _, v in views], [t for _, t in pairs])
+        paths.append(sync.sync(model, lambda: paths.append("reload"))[0])
+    by_views = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model.load_weights(iter(transfers[1]))
+    return {
+        "paths": paths,
+        "differing_from_loaders": [n for n, p in model.named_parameters() if not torch.equal(p, by_views[n])],
     }
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from posttrain.rollout.vllm_copy_plan import CopyPlan, checked_copy_plan, learn_copy_plan
 from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+from posttrain.rollout.vllm_shared_weights import ViewSync
 
 VOCAB, PADDED, D, Q, KV, FF = 10, 12, 4, 4, 2, 6
 STACKED = {"q": ("qkv", 0), "k": ("qkv", Q), "v": ("qkv", Q + KV), "gate": ("gate_up", 0), "up": ("gate_up", FF)}
@@ -203,3 +204,46 @@ def test_the_engine_keeps_the_loaders_where_no_plan_passes(caplog: pytest.LogCap
     assert "keeps vLLM's weight loaders" in caplog.text and "does not land as one run" in caplog.text
     engine._load_in_place(transfer(1))
     assert engine._copy_plan is None and model.loads == 3  # loaded, probed once (refused), loaded
+
+
+def refill_views(views: list[tuple[str, torch.Tensor]], seed: int) -> None:
+    """What the trainer's ``SharedWeightsSender.push`` does to the mapped buffer: new values, same tensors."""
+    for (_, view), (_, new) in zip(views, transfer(seed)):
+        view.copy_(new)
+
+
+def test_the_engine_process_loads_the_views_with_the_loaders_once_then_by_the_plan() -> None:
+    model, reference, reloads = Stacked(), Stacked(), []
+    views = transfer(0)
+    sync = ViewSync(views, in_place=True)
+    path, note = sync.sync(model, lambda: reloads.append(1))
+    assert path == "loaders" and note is not None and note[0] == logging.INFO and "one foreach copy of 8" in note[1]
+    assert model.loads == 2 and isinstance(sync.plan, CopyPlan)  # the loaders' load, then the probe
+    refill_views(views, 1)
+    assert sync.sync(model, lambda: reloads.append(1)) == ("plan", None) and model.loads == 2
+    reference.load_weights(transfer(1))
+    assert all(torch.equal(v, params(model)[k]) for k, v in params(reference).items())
+    assert sync.sync(model, lambda: reloads.append(1), refill=True) == ("loaders", None)  # after a level-2 sleep
+    assert model.loads == 3 and reloads == []
+
+
+def test_the_engine_process_reloads_where_the_loaders_leave_parameters_unwritten() -> None:
+    model, reloads = Stacked(), []
+    model.load_weights = lambda weights: set()  # type: ignore[method-assign,assignment]
+    sync = ViewSync(transfer(0), in_place=True)
+    path, note = sync.sync(model, lambda: reloads.append(1))
+    assert path == "reload" and reloads == [1] and note is not None and note[0] == logging.WARNING
+    assert "left 5 parameter(s) unwritten" in note[1] and not sync.in_place
+    assert sync.sync(model, lambda: reloads.append(1)) == ("reload", None) and reloads == [1, 1]
+
+
+def test_the_engine_process_keeps_the_loaders_where_no_plan_passes_and_reloads_off_cuda() -> None:
+    model = Stacked(permute=True)
+    sync = ViewSync(transfer(0), in_place=True)
+    path, note = sync.sync(model, lambda: None)
+    assert path == "loaders" and note is not None and "does not land as one run" in note[1]
+    assert sync.sync(model, lambda: None) == ("loaders", None) and model.loads == 3  # no second probe
+    cpu, reloads = Stacked(), []
+    plain = ViewSync(transfer(0), in_place=False)  # vLLM's CPU build, or a model that is not plain
+    assert [plain.sync(cpu, lambda: reloads.append(1))[0] for _ in range(2)] == ["reload", "reload"]
+    assert cpu.loads == 0 and reloads == [1, 1]

@@ -196,7 +196,19 @@ def _learn_and_check(llm: Any, pairs: Sequence[tuple[str, torch.Tensor]]) -> Cop
         first, end = view.data_ptr(), view.data_ptr() + view.numel() * view.element_size()
         if not any(lo <= first and end <= hi for lo, hi in spans):
             return f"{name}'s destination is not in the live model's memory (the model is not in this process)"
-    wrong = plan.mismatches(pairs)
+    return _checked(plan, pairs)
+
+
+def local_copy_plan(model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]]) -> CopyPlan | str:
+    """``model``'s copy plan learned on ``named`` right after its own loaders wrote them, in the
+    process that holds the model (an engine core's worker: ``vllm_shared_weights.py``), or why none."""
+    plan = learn_copy_plan(model, named)
+    return plan if isinstance(plan, str) else _checked(plan, named)
+
+
+def _checked(plan: CopyPlan, named: Sequence[tuple[str, torch.Tensor]]) -> CopyPlan | str:
+    """``plan`` if every destination holds exactly what the loaders just wrote from ``named``."""
+    wrong = plan.mismatches(named)
     if wrong:
         return f"{len(wrong)} destination(s) differ from what the loaders wrote (first: {wrong[0]})"
     return plan

@@ -326,7 +326,7 @@ class VLLMRolloutEngine:
             # post-load processing (on CPU the linear weights are repacked, so writing the original
             # parameters with model.load_weights is not enough).
             if self._shared is not None:
-                self._shared.push(self._cast(named))
+                self._shared.push(self._cast(named), refill=self._weights_dropped)
             elif self.direct_weight_load:
                 self._load_in_place(named)
             else:

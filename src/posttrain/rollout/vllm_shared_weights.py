@@ -9,6 +9,12 @@ worker a mapping of it once, and at each sync copies the policy's tensors into i
 worker to reload its model from the mapped views. A sync is then one device-local copy and one
 RPC, whatever the number of tensors; nothing is pickled or sent through a socket per tensor.
 
+How the worker writes the mapped views into its model (``ViewSync``): on CUDA a plain dense model
+(``vllm_weight_load.loads_in_place``) takes the first sync through its own weight loaders, which
+also teaches it a copy plan (``vllm_copy_plan.local_copy_plan``), and every later sync is one
+foreach copy from the views into the parameters; anything else, and a CPU engine, goes through
+vLLM's ``reload_weights``, which re-creates every layer (0.08-0.13 s of W's step on one H200).
+
 ``SharedWeightsSender`` is the trainer's side; ``SharedWeightsWorker`` is mixed into vLLM's
 worker class (vLLM's ``worker_extension_cls``) in the engine core process.
 """
@@ -16,13 +22,23 @@ worker class (vLLM's ``worker_extension_cls``) in the engine core process.
 from __future__ import annotations
 
 import io
+import logging
 import pickle
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from posttrain.rollout.vllm_copy_plan import CopyPlan, local_copy_plan
+from posttrain.rollout.vllm_weight_load import load_in_place, loads_in_place
+
+SyncPath = Literal["plan", "loaders", "reload"]
+# what a worker's sync did, and a line for the trainer's log (level, text) when its path changed
+SyncOutcome = tuple[SyncPath, tuple[int, str] | None]
+
 WORKER_EXTENSION = "posttrain.rollout.vllm_shared_weights.SharedWeightsWorker"
+_log = logging.getLogger("posttrain.rollout")
 _ALIGN = 64  # bytes: every tensor starts aligned for any dtype's view
 
 
@@ -68,9 +84,13 @@ class SharedWeightsSender:
         self.layout: Layout | None = None
         self.buffer: torch.Tensor | None = None
         self.views: list[tuple[str, torch.Tensor]] = []
+        self.last_paths: list[SyncPath] = []  # how each worker wrote the last push
 
-    def push(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Copy ``pairs`` into the buffer and have the worker reload its model from it."""
+    def push(self, pairs: Sequence[tuple[str, torch.Tensor]], *, refill: bool = False) -> list[SyncPath]:
+        """Copy ``pairs`` (in the engine's dtype) into the buffer and have the worker write its model
+        from it; ``refill``: the model's weights were dropped (a level-2 sleep), so every row must be
+        written again, not only the ones a copy plan covers. How each worker wrote it; a worker's
+        change of path is logged here, in the trainer's process."""
         layout, size = plan_layout(pairs)
         device = pairs[0][1].device if pairs else torch.device("cpu")
         if layout != self.layout or self.buffer is None or self.buffer.device != device:
@@ -80,7 +100,11 @@ class SharedWeightsSender:
                 torch._foreach_copy_([view for _, view in self.views], [t for _, t in pairs], non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the worker reads on its own stream, in its own process
-        self.llm.collective_rpc("posttrain_reload_shared")
+        outcomes: list[SyncOutcome] = self.llm.collective_rpc("posttrain_reload_shared", args=(refill,))
+        for note in dict.fromkeys(note for _, note in outcomes if note is not None):  # once, not per worker
+            _log.log(*note)
+        self.last_paths = [path for path, _ in outcomes]
+        return self.last_paths
 
     def _attach(self, layout: Layout, size: int, device: torch.device) -> None:
         buffer = torch.empty(size, dtype=torch.uint8, device=device)
@@ -94,27 +118,72 @@ class SharedWeightsSender:
         self.buffer, self.layout, self.views = None, None, []
 
 
+class ViewSync:
+    """How one worker writes the mapped buffer's views into its model, from the first sync on."""
+
+    def __init__(self, views: list[tuple[str, torch.Tensor]], *, in_place: bool) -> None:
+        self.views = views
+        self.in_place = in_place  # the model's own loaders give what reload_weights gives (loads_in_place)
+        self.plan: CopyPlan | None = None
+        self.plan_tried = False
+
+    def sync(self, model: torch.nn.Module, reload: Callable[[], None], *, refill: bool = False) -> SyncOutcome:
+        """Write the views into ``model``: by the copy plan once there is one (not on a ``refill``),
+        else by the model's loaders (learning the plan after the first such load), else ``reload``."""
+        if self.plan is not None and not refill:
+            self.plan.copy_(self.views)
+            return "plan", None
+        if not self.in_place:
+            reload()
+            return "reload", None
+        unwritten = load_in_place(self.views)(model)
+        if unwritten:  # as the in-process engine does: vLLM's reload from now on, this transfer again
+            self.in_place = False
+            reload()
+            note = f"vLLM's load_weights left {len(unwritten)} parameter(s) unwritten (first: {unwritten[0]}); "
+            return "reload", (logging.WARNING, note + "using vLLM's reload_weights for this and every later sync")
+        if self.plan_tried:
+            return "loaders", None
+        self.plan_tried = True
+        start = time.perf_counter()
+        plan = local_copy_plan(model, self.views)
+        if isinstance(plan, str):
+            return "loaders", (logging.WARNING, f"weight sync keeps vLLM's weight loaders (Python per tensor): {plan}")
+        self.plan = plan
+        took = time.perf_counter() - start
+        note = f"weight sync: one foreach copy of {len(plan.names)} tensors in the engine's process from now on"
+        return "loaders", (logging.INFO, f"{note} (learned in {took:.2f} s)")
+
+
 class SharedWeightsWorker:
     """Mixed into vLLM's worker in the engine core process (``worker_extension_cls``)."""
 
-    _posttrain_views: list[tuple[str, torch.Tensor]]
+    _posttrain_sync: ViewSync
     reload_weights: Callable[..., None]  # the vLLM worker's own (annotation only: vLLM refuses clashes)
     model_runner: Any  # the vLLM worker's own, as above
 
     def posttrain_attach_shared(self, payload: bytes, layout: Layout) -> int:
         """Map the trainer's buffer; returns how many tensors it holds."""
         import torch.multiprocessing  # noqa: F401  (torch's reductions rebuild the shared tensor)
-
-        buffer = pickle.loads(payload)
-        self._posttrain_views = buffer_views(buffer, [(n, d, tuple(s), o, b) for n, d, s, o, b in layout])
-        return len(self._posttrain_views)
-
-    def posttrain_reload_shared(self) -> None:
-        """Reload the model from the mapped buffer (vLLM maps the names onto its fused layers)."""
-        self.reload_weights(weights_iterator=self._posttrain_views, is_checkpoint_format=True)
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cuda():  # vLLM's CPU build skips its MoE prepack on reloads (vllm_moe.py)
+        buffer = pickle.loads(payload)
+        views = buffer_views(buffer, [(n, d, tuple(s), o, b) for n, d, s, o, b in layout])
+        in_place = loads_in_place(self.model_runner.get_model(), cuda=current_platform.is_cuda())
+        self._posttrain_sync = ViewSync(views, in_place=in_place)
+        return len(views)
+
+    def posttrain_reload_shared(self, refill: bool = False) -> SyncOutcome:
+        """Write the model from the mapped buffer (``ViewSync``)."""
+        return self._posttrain_sync.sync(self.model_runner.get_model(), self._posttrain_reload, refill=refill)
+
+    def _posttrain_reload(self) -> None:
+        """vLLM's reload from the views (it maps the names onto its fused layers), and on the CPU
+        build the MoE prepack it skips on reloads (vllm_moe.py)."""
+        self.reload_weights(weights_iterator=self._posttrain_sync.views, is_checkpoint_format=True)
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
             from posttrain.rollout.vllm_moe import repack_cpu_moe
 
             repack_cpu_moe(self.model_runner.get_model())
