@@ -63,7 +63,9 @@
 #          (benchmarks/vllm_flat_logprobs.py on W's 0.4B model in bf16: W's rollout call, score centering's
 #          128-token head, a teacher's prompt_logprobs=8); the engine-apart GPU test (its worker's copy plan);
 #          one-step off-policy W with the engine core apart (its sync column: the worker's foreach copy, against
-#          0.08-0.13 s of reload_weights in the twelfth session); hostcosts2: W as shipped, the small job as shipped
+#          0.08-0.13 s of reload_weights in the twelfth session); hostcosts2: W as shipped, then one-step
+#          off-policy W with the engine core in this process and the update's body replayed as CUDA graphs
+#          (the earlier in-process overlap lost to the GIL; a graphed update leaves the sampling thread the GIL)
 #   smallreq the small job's rollout requests: unseeded (rollout.seed=null: no per-request generator in vLLM's
 #          sampler) and without sampler logprobs (rollout.sampler_logprobs_every=0); W's fifth-session arms did
 #          not separate above its noise, the small step's 16-token rollout is not measured that way
@@ -512,7 +514,8 @@ case "${1:-}" in
     model 0.5b /tmp/m05
     step w_flat 200 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/flat" --arms "shipped:steps=5"
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
-    small_job small_shipped 150
+    step w_offpolicy_graphs 200 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --cuda-graphs \
+      --out "$R/w_offpolicy_graphs.json"
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   smallreq)
     environment
