@@ -1,4 +1,5 @@
-"""Shared test fixtures: the SmolLM2 tokenizer copy and a tiny random model built from it once per session."""
+"""Shared test fixtures: the SmolLM2 tokenizer copy, a tiny random model built from it once per session, and
+the trainer's logprobs of a rollout batch (what an engine's sampler logprobs are compared with)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +32,30 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     out = tmp_path_factory.mktemp("tiny_model")
     return make_tiny_model(str(out), str(SMOLLM2_TOKENIZER_DIR))
+
+
+@pytest.fixture
+def trainer_logprobs() -> Callable[..., list[list[float]]]:
+    """``trainer_logprobs(model, rollout_batch, pad_id)``: the trainer's logprob of each completion
+    token of a ``RolloutBatch`` at temperature 1, on the model's device, one list per completion."""
+    import torch
+
+    from posttrain.policy.batching import build_policy_batch
+    from posttrain.policy.logprobs import completion_logprobs
+
+    def logprobs(model: torch.nn.Module, batch: Any, pad_id: int) -> list[list[float]]:
+        pb = build_policy_batch(
+            [batch.prompt_token_ids[c.prompt_index] for c in batch.completions],
+            [c.token_ids for c in batch.completions],
+            pad_id=pad_id,
+            device=next(model.parameters()).device,
+        )
+        with torch.no_grad():
+            out = completion_logprobs(model, pb, temperature=1.0, chunk_tokens=1024)
+        assert isinstance(out, torch.Tensor)
+        return [out[i, : len(c.token_ids)].float().tolist() for i, c in enumerate(batch.completions)]
+
+    return logprobs
 
 
 E2E_DIR = FIXTURES / "e2e"

@@ -19,8 +19,6 @@ import torch
 from posttrain.errors import PosttrainError
 from posttrain.models.chat import render_prompt_ids
 from posttrain.models.loading import resolve_model_path
-from posttrain.policy.batching import build_policy_batch
-from posttrain.policy.logprobs import completion_logprobs
 from posttrain.rollout.base import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -29,20 +27,9 @@ MODEL = os.environ.get("POSTTRAIN_GPU_TEST_MODEL", "embedded:smollm2-135m-instru
 MEAN_GAP_TOL = 0.1  # bf16 engine against bf16 trainer, different kernels (tests/gpu/test_vllm_gpu.py)
 
 
-def _trainer_logprobs(model: torch.nn.Module, batch, pad_id: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    pb = build_policy_batch(
-        [batch.prompt_token_ids[c.prompt_index] for c in batch.completions],
-        [c.token_ids for c in batch.completions],
-        pad_id=pad_id,
-        device="cuda",
-    )
-    with torch.no_grad():
-        out = completion_logprobs(model, pb, temperature=1.0, chunk_tokens=1024)
-    assert isinstance(out, torch.Tensor)
-    return torch.cat([out[i, : len(c.token_ids)].float().cpu() for i, c in enumerate(batch.completions)])
-
-
-def test_an_engine_apart_takes_the_weights_by_the_loaders_then_by_one_copy(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_engine_apart_takes_the_weights_by_the_loaders_then_by_one_copy(
+    caplog: pytest.LogCaptureFixture, trainer_logprobs
+) -> None:
     if not torch.cuda.is_available():
         pytest.fail("the gpu tests need a CUDA device")
     pytest.importorskip("vllm", reason="vLLM is not installed (see docs/vllm.md)")
@@ -79,8 +66,9 @@ def test_an_engine_apart_takes_the_weights_by_the_loaders_then_by_one_copy(caplo
         assert batch.weight_version == 2
         engine_lp = torch.cat([torch.tensor(c.logprobs) for c in batch.completions])
         trained = masters.to(torch.bfloat16)
-        gaps = (engine_lp - _trainer_logprobs(trained, batch, pad_id)).abs()
-        moved = (_trainer_logprobs(trained, batch, pad_id) - _trainer_logprobs(base, batch, pad_id)).abs()
+        new = torch.tensor([lp for row in trainer_logprobs(trained, batch, pad_id) for lp in row])
+        old = torch.tensor([lp for row in trainer_logprobs(base, batch, pad_id) for lp in row])
+        gaps, moved = (engine_lp - new).abs(), (new - old).abs()
         assert float(gaps.mean()) < MEAN_GAP_TOL, (float(gaps.mean()), float(moved.mean()))
         assert float(moved.mean()) > 4 * float(gaps.mean()), (float(gaps.mean()), float(moved.mean()))
     finally:

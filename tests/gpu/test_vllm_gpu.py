@@ -89,36 +89,28 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def _trainer_logprobs(model, batch: RolloutBatch, pad_id: int) -> list[torch.Tensor]:
-    pb = build_policy_batch(
-        [batch.prompt_token_ids[c.prompt_index] for c in batch.completions],
-        [c.token_ids for c in batch.completions],
-        pad_id=pad_id,
-        device="cuda",
-    )
-    with torch.no_grad():
-        out = completion_logprobs(model, pb, temperature=1.0, chunk_tokens=1024)
-    assert isinstance(out, torch.Tensor)
-    return [out[i, : len(c.token_ids)].float().cpu() for i, c in enumerate(batch.completions)]
+def _gaps(batch: RolloutBatch, expected: list[list[float]]) -> torch.Tensor:
+    rows = zip(batch.completions, expected)
+    return torch.cat([(torch.tensor(c.logprobs) - torch.tensor(ref)).abs() for c, ref in rows])
 
 
-def _gaps(batch: RolloutBatch, expected: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([(torch.tensor(c.logprobs) - ref).abs() for c, ref in zip(batch.completions, expected)])
-
-
-def test_engine_logprobs_match_the_trainers_in_bf16(engine, model_dir: str, tokenizer, prompts) -> None:
+def test_engine_logprobs_match_the_trainers_in_bf16(
+    engine, model_dir: str, tokenizer, prompts, trainer_logprobs
+) -> None:
     model = _policy(model_dir)
     engine.load_weights(model.state_dict(), version=0)  # the trainer's bf16 tensors, as the loop sends them
     out = engine.generate(prompts, 4, SamplingParams(max_tokens=48, seed=1))
     assert len(out.completions) == 16 and all(len(c.logprobs) == len(c.token_ids) for c in out.completions)
-    gaps = _gaps(out, _trainer_logprobs(model, out, _pad_id(tokenizer)))
+    gaps = _gaps(out, trainer_logprobs(model, out, _pad_id(tokenizer)))
     REPORT.update(gap_mean=float(gaps.mean()), gap_max=float(gaps.max()), gap_tokens=float(gaps.numel()))
     REPORT["tokens_per_s_eager"] = out.stats["rollout/tokens_per_s"]
     assert float(gaps.mean()) < MEAN_GAP_TOL, REPORT
     assert float(gaps.max()) < MAX_GAP_TOL, REPORT
 
 
-def test_sleep_frees_memory_and_an_update_moves_the_engine_logprobs(engine, model_dir: str, tokenizer, prompts) -> None:
+def test_sleep_frees_memory_and_an_update_moves_the_engine_logprobs(
+    engine, model_dir: str, tokenizer, prompts, trainer_logprobs
+) -> None:
     """generate leaves the engine asleep (KV cache released); load_weights after one AdamW step wakes
     it with the new weights: the engine reports the updated trainer's logprobs, which moved far more
     than the bf16 engine / trainer gap."""
@@ -163,9 +155,10 @@ def test_sleep_frees_memory_and_an_update_moves_the_engine_logprobs(engine, mode
 
     after = engine.generate(prompts, 4, SamplingParams(max_tokens=32, seed=3))
     assert after.weight_version == 1
-    new = _trainer_logprobs(model, after, _pad_id(tokenizer))
+    new = trainer_logprobs(model, after, _pad_id(tokenizer))
     gaps = _gaps(after, new)
-    moved = torch.cat([(n - o).abs() for n, o in zip(new, _trainer_logprobs(base, after, _pad_id(tokenizer)))])
+    old = trainer_logprobs(base, after, _pad_id(tokenizer))
+    moved = torch.cat([(torch.tensor(n) - torch.tensor(o)).abs() for n, o in zip(new, old)])
     REPORT.update(
         gap_after_update_mean=float(gaps.mean()),
         gap_after_update_max=float(gaps.max()),

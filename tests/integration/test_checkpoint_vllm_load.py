@@ -21,9 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from posttrain.checkpoint import CheckpointWriter, TrainingState
 from posttrain.models.chat import render_prompt_ids
-from posttrain.policy.batching import build_policy_batch
-from posttrain.policy.logprobs import completion_logprobs
-from posttrain.rollout.base import RolloutBatch, SamplingParams
+from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
 pytestmark = pytest.mark.vllm
@@ -60,20 +58,9 @@ def trained_tiny_llama(tokenizer: object) -> tuple[LlamaForCausalLM, torch.optim
     return model.eval(), opt
 
 
-def trainer_logprobs(model: torch.nn.Module, batch: RolloutBatch, pad_id: int) -> list[list[float]]:
-    pb = build_policy_batch(
-        [batch.prompt_token_ids[c.prompt_index] for c in batch.completions],
-        [c.token_ids for c in batch.completions],
-        pad_id=pad_id,
-        device="cpu",
-    )
-    with torch.no_grad():
-        out = completion_logprobs(model, pb, temperature=1.0, chunk_tokens=64)
-    assert isinstance(out, torch.Tensor)
-    return [out[i, : len(c.token_ids)].tolist() for i, c in enumerate(batch.completions)]
-
-
-def test_consolidated_checkpoint_loads_in_vllm_and_transformers(tmp_path: Path, smollm2_tokenizer_dir: str) -> None:
+def test_consolidated_checkpoint_loads_in_vllm_and_transformers(
+    tmp_path: Path, smollm2_tokenizer_dir: str, trainer_logprobs
+) -> None:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
     model, opt = trained_tiny_llama(tokenizer)
     state = TrainingState(1, 1, 0, {}, {}, {}, {})

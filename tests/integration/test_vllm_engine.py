@@ -60,19 +60,6 @@ def _trainer_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _trainer_logprobs(model, batch: RolloutBatch, pad_id: int) -> list[list[float]]:
-    pb = build_policy_batch(
-        [batch.prompt_token_ids[c.prompt_index] for c in batch.completions],
-        [c.token_ids for c in batch.completions],
-        pad_id=pad_id,
-        device="cpu",
-    )
-    with torch.no_grad():
-        out = completion_logprobs(model, pb, temperature=1.0, chunk_tokens=64)
-    assert isinstance(out, torch.Tensor)
-    return [out[i, : len(c.token_ids)].tolist() for i, c in enumerate(batch.completions)]
-
-
 def _assert_logprobs_match(batch: RolloutBatch, expected: list[list[float]]) -> None:
     for c, ref in zip(batch.completions, expected):
         torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(ref), atol=1e-4, rtol=1e-4)
@@ -113,21 +100,23 @@ def test_generate_shapes_grouping_and_stats(fresh: VLLMRolloutEngine, tokenizer,
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_sampler_logprobs_equal_trainer_logprobs(
-    fresh: VLLMRolloutEngine, base_model, tokenizer, prompts, temperature: float
+    fresh: VLLMRolloutEngine, base_model, tokenizer, prompts, temperature: float, *, trainer_logprobs
 ) -> None:
     """Raw logprobs of the sampled tokens (greedy: at temperature 1) equal the trainer's, in fp32."""
     out = fresh.generate(prompts, 3, SamplingParams(max_tokens=8, temperature=temperature, seed=2))
-    _assert_logprobs_match(out, _trainer_logprobs(base_model, out, tokenizer.pad_token_id))
+    _assert_logprobs_match(out, trainer_logprobs(base_model, out, tokenizer.pad_token_id))
     if temperature == 0.0:
         assert len({tuple(c.token_ids) for c in out.completions if c.prompt_index == 0}) == 1
 
 
-def test_raw_logprobs_ignore_warping_and_head_matches(fresh: VLLMRolloutEngine, base_model, tokenizer, prompts) -> None:
+def test_raw_logprobs_ignore_warping_and_head_matches(
+    fresh: VLLMRolloutEngine, base_model, tokenizer, prompts, trainer_logprobs
+) -> None:
     """With top-k / top-p on, the reported logprobs stay the unwarped policy's; the top-k head is the
     policy's top-k of the same distribution."""
     params = SamplingParams(max_tokens=6, top_k=20, top_p=0.9, seed=3, logprobs_topk=5)
     out = fresh.generate(prompts[:2], 2, params)
-    _assert_logprobs_match(out, _trainer_logprobs(base_model, out, tokenizer.pad_token_id))
+    _assert_logprobs_match(out, trainer_logprobs(base_model, out, tokenizer.pad_token_id))
     c = out.completions[0]
     with torch.no_grad():
         logits = base_model(torch.tensor([prompts[0] + c.token_ids])).logits[0, len(prompts[0]) - 1 : -1]
@@ -221,7 +210,7 @@ def test_sampler_logprobs_for_the_first_samples_only_draw_the_same_tokens(
 
 
 def test_received_weights_move_engine_logprobs_to_the_trainers(
-    fresh: VLLMRolloutEngine, vllm_model_dir: str, base_model, tokenizer, prompts
+    fresh: VLLMRolloutEngine, vllm_model_dir: str, base_model, tokenizer, prompts, *, trainer_logprobs
 ) -> None:
     """One AdamW step on the trainer's copy, then receive_weights (the loop's call): the engine now
     reports the updated trainer's logprobs, which differ from the old weights' on the same tokens."""
@@ -244,9 +233,9 @@ def test_received_weights_move_engine_logprobs_to_the_trainers(
     assert fresh.weight_version == 1
     after = fresh.generate(prompts, 2, SamplingParams(max_tokens=6, seed=5))
     assert after.weight_version == 1
-    new_expected = _trainer_logprobs(model, after, tokenizer.pad_token_id)
+    new_expected = trainer_logprobs(model, after, tokenizer.pad_token_id)
     _assert_logprobs_match(after, new_expected)
-    old = _trainer_logprobs(base_model, after, tokenizer.pad_token_id)
+    old = trainer_logprobs(base_model, after, tokenizer.pad_token_id)
     gap = max(abs(a - b) for new_row, old_row in zip(new_expected, old) for a, b in zip(new_row, old_row))
     assert gap > 1e-2  # the step moved these logprobs far beyond the match tolerance
     # version 1 again (an optimizer step skipped: the loop publishes the same version): nothing is
@@ -256,11 +245,11 @@ def test_received_weights_move_engine_logprobs_to_the_trainers(
     fresh.receive_weights(base, version=1)
     assert fresh.last_sync_s == 0.0
     again = fresh.generate(prompts, 2, SamplingParams(max_tokens=6, seed=5))
-    _assert_logprobs_match(again, _trainer_logprobs(model, again, tokenizer.pad_token_id))
+    _assert_logprobs_match(again, trainer_logprobs(model, again, tokenizer.pad_token_id))
     fresh.receive_weights(base, version=2)  # a new version is sent
     assert fresh.last_sync_s > 0.0
     back = fresh.generate(prompts, 2, SamplingParams(max_tokens=6, seed=5))
-    _assert_logprobs_match(back, _trainer_logprobs(base_model, back, tokenizer.pad_token_id))
+    _assert_logprobs_match(back, trainer_logprobs(base_model, back, tokenizer.pad_token_id))
 
 
 def test_weights_go_in_place_only_where_vllm_would_process_nothing(engine: VLLMRolloutEngine) -> None:
@@ -272,7 +261,9 @@ def test_weights_go_in_place_only_where_vllm_would_process_nothing(engine: VLLMR
     assert engine._llm.apply_model(functools.partial(loads_in_place, cuda=False)) == [False]
 
 
-def test_stop_on_eos_with_biased_weights(fresh: VLLMRolloutEngine, vllm_model_dir: str, tokenizer, prompts) -> None:
+def test_stop_on_eos_with_biased_weights(
+    fresh: VLLMRolloutEngine, vllm_model_dir: str, tokenizer, prompts, trainer_logprobs
+) -> None:
     """Weights whose head favours <|im_end|>: completions stop with it (included in token_ids, not in
     the text), and the logprobs still match the trainer's."""
     model = _trainer_model(vllm_model_dir)
@@ -291,7 +282,7 @@ def test_stop_on_eos_with_biased_weights(fresh: VLLMRolloutEngine, vllm_model_di
     for c in out.completions:
         if c.finish_reason == "stop":
             assert c.token_ids[-1] == EOS and "<|im_end|>" not in c.text
-    _assert_logprobs_match(out, _trainer_logprobs(model, out, tokenizer.pad_token_id))
+    _assert_logprobs_match(out, trainer_logprobs(model, out, tokenizer.pad_token_id))
 
 
 def test_sampling_controls_the_logprob_mode_cannot_report_are_refused(fresh: VLLMRolloutEngine, prompts) -> None:
@@ -342,7 +333,7 @@ def test_vllm_teacher_scores_equal_the_hf_teacher(fresh: VLLMRolloutEngine, base
 
 
 def test_separate_engine_process_takes_weights_through_shared_memory(
-    engine: VLLMRolloutEngine, vllm_model_dir: str, tokenizer, prompts
+    engine: VLLMRolloutEngine, vllm_model_dir: str, tokenizer, prompts, trainer_logprobs
 ) -> None:
     """``separate_process``: the engine core runs in a process of its own and reads the weights from
     the buffer it mapped once; after each receive_weights it samples with exactly the trainer's weights."""
@@ -361,7 +352,7 @@ def test_separate_engine_process_takes_weights_through_shared_memory(
         assert eng.seeding == "prompt"  # the sampler's generators are the other process's
         model = _trainer_model(vllm_model_dir)
         first = eng.generate(prompts, 2, SamplingParams(max_tokens=6, seed=4))
-        _assert_logprobs_match(first, _trainer_logprobs(model, first, tokenizer.pad_token_id))
+        _assert_logprobs_match(first, trainer_logprobs(model, first, tokenizer.pad_token_id))
         buffers = []
         previous = _trainer_model(vllm_model_dir)
         for version in (1, 2):
@@ -374,8 +365,8 @@ def test_separate_engine_process_takes_weights_through_shared_memory(
             buffers.append(eng._shared.buffer)
             after = eng.generate(prompts, 2, SamplingParams(max_tokens=6, seed=4 + version))
             assert after.weight_version == version
-            _assert_logprobs_match(after, _trainer_logprobs(model, after, tokenizer.pad_token_id))
-            stale = _trainer_logprobs(previous, after, tokenizer.pad_token_id)
+            _assert_logprobs_match(after, trainer_logprobs(model, after, tokenizer.pad_token_id))
+            stale = trainer_logprobs(previous, after, tokenizer.pad_token_id)
             assert max(abs(a - b) for c, ref in zip(after.completions, stale) for a, b in zip(c.logprobs, ref)) > 1e-2
         assert buffers[0] is buffers[1]  # mapped once, refilled in place
     finally:
