@@ -6,14 +6,16 @@ lists it asks for now, read back the way posttrain reads each.
     python benchmarks/vllm_flat_logprobs.py --model /tmp/m05 --dtype bfloat16 ...   # a GPU, W's model
 
 Score centering's arms ask for a top-``--head-k`` head per token on ``--head-tokens``-token
-completions. The model is a 2-layer, 128-wide random Llama with a 512-token vocabulary and no tokenizer
-(``skip_tokenizer_init``): on vLLM's CPU build its compute is small, so, as on a GPU at workload W
-(docs/benchmarks.md), the host's per-token work decides the call's time. Arms, interleaved, the
-median of ``--reps`` after a warm-up: rollout without logprobs, with dict logprobs (+ the reading
-posttrain did before: the sampled id's entry per token), with flat logprobs (+ ``completion_of``);
-teacher scoring (``prompt_logprobs=K``, ``--teacher-k``) with dict entries (+ the rank sort posttrain
-did before) and flat ones (+ ``_flat_scores``). Each reports the wall time, the process's CPU time,
-and the garbage collector's passes and time during the call (``gc.callbacks``).
+completions. The model is a 2-layer, 128-wide random Llama with a 512-token vocabulary and no
+tokenizer (``skip_tokenizer_init``): on vLLM's CPU build its compute is small, so, as on a GPU at
+workload W (docs/benchmarks.md), the host's per-token work decides the call's time.
+
+Arms, interleaved, the median of ``--reps`` after a warm-up: rollout without logprobs (a seed per
+prompt, as posttrain sends them, and unseeded), with dict logprobs (+ the reading posttrain did
+before: the sampled id's entry per token), with flat logprobs (+ ``completion_of``); teacher
+scoring (``prompt_logprobs=K``, ``--teacher-k``) with dict entries (+ the rank sort posttrain did
+before) and flat ones (+ ``_flat_scores``). Each reports the wall time, the process's CPU time, and
+the garbage collector's passes and time during the call (``gc.callbacks``).
 """
 
 from __future__ import annotations
@@ -154,13 +156,13 @@ def main() -> None:
     prompts = [TokensPrompt(prompt_token_ids=[(7 * i + j) % 500 + 1 for j in range(32)]) for i in range(a.prompts)]
     seqs = [[(13 * i + 5 * j) % 500 + 1 for j in range(a.teacher_len)] for i in range(a.teacher_seqs)]
 
-    def rollout(logprobs: str, k: int = 0) -> list[Any]:
+    def rollout(logprobs: str, k: int = 0, seeded: bool = True) -> list[Any]:
         tokens = a.head_tokens if k else a.tokens
         kw: dict[str, Any] = dict(n=a.samples, max_tokens=tokens, min_tokens=tokens, temperature=1.0)
         kw |= dict(detokenize=False, ignore_eos=True)
         if logprobs != "none":
             kw |= dict(logprobs=k, flat_logprobs=logprobs == "flat")
-        params = [SamplingParams(seed=i, **kw) for i in range(a.prompts)]
+        params = [SamplingParams(seed=i if seeded else None, **kw) for i in range(a.prompts)]
         return llm.generate(prompts, params, use_tqdm=False)
 
     def read_rollout(outputs: list[Any], k: int = 0) -> int:
@@ -181,6 +183,7 @@ def main() -> None:
 
     arms: dict[str, Any] = {
         "rollout, no logprobs": lambda: (rollout("none"), lambda outs: 0),
+        "rollout, no logprobs, unseeded": lambda: (rollout("none", seeded=False), lambda outs: 0),
         "rollout, dict logprobs (before)": lambda: (rollout("dict"), read_dicts_before),
         "rollout, flat logprobs (now)": lambda: (rollout("flat"), read_rollout),
         f"rollout, head of {a.head_k}, dicts (before)": lambda: (
