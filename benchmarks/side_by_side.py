@@ -7,7 +7,9 @@ OURS: written by ``benchmarks/grpo_step.py --out`` (or one arm's file of ``--arm
 written by ``../shared/peers/trl_grpo_gpu_step.py`` (``$OUT/trl_<mode>.json``). Medians of steps 2 on
 for ours, TRL's own median of its steps 2-4. ``--dir`` reads what ``benchmarks/side_by_side.sh`` leaves
 there: ``w/*.json`` (workload W's arms and the growth arms), ``w_offpolicy.json``, ``w15.json``,
-``w135.json``, ``w3b.json``, ``p128_seqs512.json``, ``trl_*.json``, ``small.metrics.jsonl`` and ``trl_small.log``.
+``w135.json``, ``w3b.json``, ``p128_seqs512.json``, ``trl_*.json``, ``small.metrics.jsonl`` and ``trl_small.log``;
+and the seventeenth session's ``hostcosts`` parts: ``flat_logprobs.json``, ``flat/*.json``,
+``w_offpolicy_plan.json`` and ``w_offpolicy_graphs.json``.
 """
 
 from __future__ import annotations
@@ -139,6 +141,26 @@ def small_table(r: Path) -> str:
     return "\n".join(out)
 
 
+def host_costs_table(r: Path) -> str:
+    """``side_by_side.sh hostcosts``/``hostcosts2``: vLLM's calls with dict and flat logprobs
+    (``vllm_flat_logprobs.py``), then W as shipped and one-step off-policy W two ways."""
+    parts = []
+    flat = r / "flat_logprobs.json"
+    if flat.exists():
+        lines = ["| call | total | vLLM call | reading | collector passes (s) |", "| --- | --- | --- | --- | --- |"]
+        for arm, m in _load(flat)["medians"].items():
+            lines.append(
+                f"| {arm} | {m['total_s']:.3f} s | {m['call_s']:.3f} s | {m['read_s']:.3f} s | "
+                f"{m['gc_passes']:.0f} ({m['gc_s']:.3f}) |"
+            )
+        parts.append("\n".join(lines))
+    runs = sorted((r / "flat").glob("*.json")) if (r / "flat").exists() else []
+    runs += [p for p in (r / f"{n}.json" for n in ("w_offpolicy_plan", "w_offpolicy_graphs")) if p.exists()]
+    if runs:
+        parts.append("\n".join([HEADER, *(ours_row(p) for p in runs)]))
+    return "\n\n".join(parts)
+
+
 def dir_tables(r: Path) -> str:
     parts = []
     w = sorted((r / "w").glob("*.json"), key=lambda p: p.stat().st_mtime) if (r / "w").exists() else []
@@ -156,6 +178,8 @@ def dir_tables(r: Path) -> str:
             parts.append(f"## W's batch on the {title}\n\n" + pair_table(ours, trl, []))
     parts.append("## How the cost grows\n\n" + growth_table(r))
     parts.append("## The default recipe's small step\n\n" + small_table(r))
+    if host := host_costs_table(r):
+        parts.append("## Host costs: flat logprobs, the engine apart's sync, off-policy in one process\n\n" + host)
     return "\n\n".join(parts)
 
 
