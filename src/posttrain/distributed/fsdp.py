@@ -198,6 +198,13 @@ class DataParallel:
             index = index * self.mesh.size(dim) + c
         return index
 
+    @staticmethod
+    def passes(micro_batches: list[list[int]], free_B: Tensor | None) -> list[tuple[list[int], bool]]:
+        """Every micro-batch as one pass with autograd, free rows (``policy/free_rows.py``) included:
+        every rank must run the same forwards and backwards, whose FSDP gathers and gradient
+        reductions pair up across ranks, and each rank's rows tie differently."""
+        return [(rows, True) for rows in micro_batches]
+
     def all_reduce_(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
         """In-place all-reduce over every rank of the mesh (one collective per mesh dimension)."""
         for dim in range(self.mesh.ndim):
@@ -292,6 +299,18 @@ class SingleProcess:
 
     def check_cells(self, rows: int) -> None:
         """One cell: nothing to compare."""
+
+    @staticmethod
+    def passes(micro_batches: list[list[int]], free_B: Tensor | None) -> list[tuple[list[int], bool]]:
+        """Each micro-batch's rows that learn, then its free rows (``free_B``, ``policy/free_rows.py``)
+        in a pass without autograd; empty parts left out, order kept. No other rank waits on this
+        one's passes."""
+        parts = []
+        for rows in micro_batches:
+            learning = [i for i in rows if free_B is None or not free_B[i]]
+            free = [] if free_B is None else [i for i in rows if free_B[i]]
+            parts += [(part, learns) for part, learns in ((learning, True), (free, False)) if part]
+        return parts
 
     def global_normalizer(self, norm: LossNormalizer) -> LossNormalizer:
         return norm

@@ -61,6 +61,10 @@ class Objective:
     """The loss reads the policy's logprobs at the teacher's top-k (``TrainBatch.teacher_topk``)."""
     ignore_prefix_tokens: int = 0
     """The first N completion tokens of every sequence are masked out of the loss."""
+    zero_advantage_rows_learn_nothing: bool = False
+    """A row whose advantages are all exactly 0 adds exactly 0 to the gradient: the loss's only
+    gradient is the advantage-weighted surrogate (no KL term, no divergence). The trainer then runs
+    such rows without autograd (``policy/free_rows.py``)."""
 
     @property
     def plain_path_only(self) -> bool:
@@ -105,6 +109,9 @@ def spec_objective(
         reference_logprobs=spec.kl_beta > 0,
         reference_dir=reference_dir,
         sampler_head=spec.score_centering,
+        # the surrogate (clipped, GSPO, legacy; score-centred, TIS / MIS weighted) is A times a
+        # finite factor; only the KL term moves a row whose A is 0
+        zero_advantage_rows_learn_nothing=spec.kl_beta == 0,
     )
 
 

@@ -11,7 +11,6 @@ and reads no algorithm's own knobs.
 
 from __future__ import annotations
 
-import copy
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -21,12 +20,13 @@ from posttrain.algorithm.loss_types import LossInputs, LossNormalizer, LossStats
 from posttrain.config.schema import RunConfig
 from posttrain.distributed.cells import cell_config
 from posttrain.distributed.fsdp import DataParallel, first_nonfinite, largest_entry, mixed_forward
-from posttrain.errors import PosttrainError, TrainingError
+from posttrain.errors import TrainingError
 from posttrain.models.cuda_graphs import graphed_body_for
 from posttrain.models.fused_kernels import apply_fused_kernels, fusable, fused_kernels_choice
 from posttrain.models.precision import compute_weights, dtype_name, resolve_precision
 from posttrain.models.structure import compile_layers, split_body_and_head
 from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_micro_batches
+from posttrain.policy.free_rows import free_rows
 from posttrain.policy.images import (
     SHARED_PROMPT_REFUSAL,
     ImageInputs,
@@ -38,6 +38,7 @@ from posttrain.policy.images import (
 from posttrain.policy.logprobs import BodyForward, check_packing_isolates, completion_logprobs
 from posttrain.policy.objective import Objective, objective_spec
 from posttrain.policy.optim import build_optimizer, build_scheduler
+from posttrain.policy.reference import build_reference
 from posttrain.policy.routing import RoutingReplay
 from posttrain.policy.shared_prefix import (
     GroupedBatch,
@@ -54,48 +55,14 @@ from posttrain.policy.train_batch import (
     token_advantage_rows,
 )
 
-# objective_spec and TrainBatch are re-exported: loop/resume.py and loop/grpo.py import them from here.
+# objective_spec, TrainBatch and build_reference are re-exported: loop/resume.py, loop/grpo.py and
+# loop/run.py import them from here.
 __all__ = ["PROBE_TOLERANCE", "PolicyTrainer", "TrainBatch", "build_reference", "objective_spec"]
 
 # How far pi_old may sit from the first mini-batch's own logprobs before the run is stopped: the
 # pass uses the same micro-batch composition, so on a deterministic backend the gap is zero; the
 # bound leaves room for nondeterministic kernels only.
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
-
-
-def build_reference(policy: nn.Module, cfg: RunConfig, objective: Objective) -> nn.Module | None:
-    """A frozen copy of the initial policy (or of the objective's ``reference_dir``, GRPO's
-    ``rl.ref.model_dir``) when the objective needs one; None otherwise. A LoRA policy's reference is
-    the policy itself under ``disable_adapter()`` (``models/lora.py``)."""
-    if not objective.builds_reference:
-        return None
-    if cfg.model.lora.enabled and objective.reference_dir is None:
-        # LoRA: the initial policy IS the base model with the adapter disabled; no copy is built.
-        from posttrain.models.lora import adapter_disabled_reference
-
-        return adapter_disabled_reference(policy)
-    ref: nn.Module
-    if objective.reference_dir is not None:
-        from posttrain.models.loading import load_model_and_tokenizer
-
-        update = {"name_or_path": objective.reference_dir, "revision": cfg.rl.ref.revision}  # not model.revision
-        ref, _ = load_model_and_tokenizer(cfg.model.model_copy(update=update), key="rl.ref.model_dir")
-    else:
-        ref = copy.deepcopy(policy)
-    live = [name for name, mod in ref.named_modules() if isinstance(mod, nn.Dropout) and mod.p > 0]
-    live += [
-        k
-        for k, v in vars(getattr(ref, "config", object())).items()
-        if "dropout" in k and isinstance(v, float) and v > 0
-    ]
-    if live:
-        raise PosttrainError(
-            f"the reference model has live dropout ({', '.join(live[:4])}): its logprobs would be random; "
-            "set the dropout probabilities to 0 in the model config"
-        )
-    ref.eval()
-    ref.requires_grad_(False)
-    return ref
 
 
 class PolicyTrainer:
@@ -131,6 +98,7 @@ class PolicyTrainer:
         self.zero_grad_skips_total = 0
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         self._share = False  # whether the current batch's prompts run once per group (_decide_sharing)
+        self._free_B: torch.Tensor | None = None  # the current batch's rows that learn nothing (_free_rows)
         # rl.routing_replay: each micro-batch's forwards pinned to the sampler's experts (policy/routing.py)
         self.routing = RoutingReplay(cfg.rl.routing_replay == "rollout", model, self.device)
         if cfg.model.compile:
@@ -211,10 +179,23 @@ class PolicyTrainer:
         by_len = [mini[j] for j in sorted(range(len(mini)), key=lambda j: lengths[j])]
         return [by_len[i : i + size] for i in range(0, len(by_len), size)]
 
+    def _free_rows(self, batch: TrainBatch) -> torch.Tensor | None:
+        """The rows that learn nothing (``policy/free_rows.py``), or None: the objective has a term that
+        moves them, or every new batch shape would record CUDA graphs or recompile the layers."""
+        if not self.objective.zero_advantage_rows_learn_nothing or self.graphs is not None or self.cfg.model.compile:
+            return None
+        return free_rows(batch.advantages_B, batch.token_advantages, batch.group_size)
+
+    def _passes(self, batch: TrainBatch, mini: list[int]) -> list[tuple[list[int], bool]]:
+        """A mini-batch's passes, ``(rows, learns)``: its micro-batches, each split into the rows that
+        learn and the free rows (no autograd) where the policy's ranks allow it (``dp.passes``)."""
+        return self.dp.passes(self._micro_batches(batch, mini), self._free_B)
+
     def _model_batch(self, batch: TrainBatch, rows: list[int]) -> PolicyBatch | GroupedBatch:
         g = batch.group_size
-        whole_groups = g > 1 and len(rows) % g == 0 and rows == list(range(rows[0], rows[0] + len(rows)))
-        if self._share and whole_groups and rows[0] % g == 0:
+        starts = rows[::g]  # whole groups, in any order (a micro-batch's free groups need not be adjacent)
+        whole_groups = g > 1 and len(rows) % g == 0 and rows == [s + j for s in starts for j in range(g)]
+        if self._share and whole_groups and all(s % g == 0 for s in starts):
             return build_grouped_batch(
                 [batch.prompt_ids[i] for i in rows[::g]],
                 [batch.completion_ids[i] for i in rows],
@@ -285,7 +266,7 @@ class PolicyTrainer:
         was_training = self.model.training
         self.model.train()  # same mode as the update pass, so the probe compares like with like
         for mini in self._mini_batches(len(batch.completion_ids)):
-            for rows in self._micro_batches(batch, mini):
+            for rows, _ in self._passes(batch, mini):  # the update's own passes: the same shapes
                 mb = self._model_batch(batch, rows)
                 self.routing.prepare(batch, rows, mb)
                 logprobs_BT = self._logprobs(self.model, mb, row_images(batch.images, rows))
@@ -397,6 +378,7 @@ class PolicyTrainer:
         """All optimizer steps of one collected batch; returns the batch's training metrics."""
         self.dp.check_cells(len(batch.completion_ids))  # unequal cells would desync the collectives
         self._decide_sharing(batch)
+        self._free_B = self._free_rows(batch)
         old = self._old_logprobs(batch)
         probe = old is not None and not self.cfg.rl.use_rollout_logprobs_for_loss
         self.model.train()
@@ -413,20 +395,27 @@ class PolicyTrainer:
             norm = LossNormalizer(num_tokens=(lengths * in_loss).sum(), num_seqs=in_loss.sum())
             norm = self.dp.global_normalizer(norm)  # counts of the whole step, all ranks
             counts.append(torch.stack([torch.as_tensor(norm.num_seqs), torch.as_tensor(norm.num_tokens)]).double())
-            loss_sum = torch.zeros((), device=self.device)
-            for rows in self._micro_batches(batch, mini):
+            loss_sum, free_sum = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+            for rows, learns in self._passes(batch, mini):
                 pb = self._model_batch(batch, rows)
                 pinned += self.routing.prepare(batch, rows, pb)
                 # one entry over forward and backward: a checkpointed layer recomputes from the same copies
-                with self._compute(self.model):
+                with self._compute(self.model), torch.set_grad_enabled(learns):
                     inputs = self._loss_inputs(batch, rows, pb, old)
                     if probe:
                         self._probe(inputs, step)
                         probe = False
                     loss, stats = self.objective.loss(inputs, norm)
-                    loss.backward()
+                    if learns:
+                        loss.backward()
                 loss_sum += loss.detach()
+                free_sum += 0.0 if learns else loss.detach()
                 totals = stats if totals is None else totals.merge(stats)
+            if self._free_B is not None and bool(self._free_B.any()) and not torch.isfinite(free_sum):
+                raise TrainingError(  # their backward, which would have turned the gradient non-finite, did not run
+                    f"step {step}: non-finite loss ({float(free_sum)}) in rows whose advantages are all zero; "
+                    "the update was not applied. Lower rl.optimizer.lr, set rl.kl_coeff_clamp, or check the data"
+                )
             grad_norms.append(self._optimizer_step(step))
             losses.append(loss_sum)
         self.model.eval()

@@ -1,0 +1,37 @@
+"""Rows that cannot move the weights, and the micro-batches split around them.
+
+A GRPO group whose rewards all tie has advantage 0 for every member: "it contributes no gradient
+but still occupies batch capacity" (the spec, on dynamic sampling). Where the objective's only
+gradient is the advantage-weighted surrogate (``Objective.zero_advantage_rows_learn_nothing``: no
+KL term in the loss, no distillation divergence), such a row adds exactly zero to every gradient,
+whatever its logprobs, clip or importance weight. The update still reads it: its tokens count in
+the step's stats (the clip fraction's and the logprob gap's denominators, the gap and KL metrics)
+and in the global normaliser, which the trainer computes from the whole mini-batch anyway. So the
+trainer runs such rows in a forward without autograd, in a micro-batch of their own, and the
+backward covers only the rows that learn (the split is ``DataParallel.passes``: one policy rank
+only, since FSDP's ranks must run the same passes). On the default CPU job 60 % of the groups tie over the
+60 steps, and a backward costs about twice its forward (docs/benchmarks.md, "Issue 18, seventeenth
+session").
+
+The gradient is the same sum without the zero terms, so the update is the same up to the rounding
+of the smaller products; a group is free only as a whole, so a shared prompt pass
+(``model.share_prompt_prefix``) still gets whole groups on both sides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.policy.train_batch import TokenAdvantages
+
+
+def free_rows(advantages_B: torch.Tensor, token_advantages: TokenAdvantages | None, group_size: int) -> torch.Tensor:
+    """Per row (bool, on the CPU): whether its whole group has advantage exactly 0, per sequence and,
+    with per-token advantages (OPD's credit), at every token. Rows are laid out group by group."""
+    zero_B = advantages_B.detach().cpu() == 0
+    if token_advantages is not None:
+        zero_B &= torch.tensor([all(v == 0 for v in row) for row in token_advantages.values], dtype=torch.bool)
+    g = max(group_size, 1)
+    if zero_B.numel() % g:  # not whole groups: decide row by row
+        return zero_B
+    return zero_B.view(-1, g).all(dim=1).repeat_interleave(g)
