@@ -305,10 +305,11 @@ class SingleProcess:
         """Each micro-batch's rows that learn, then its free rows (``free_B``, ``policy/free_rows.py``)
         in a pass without autograd; empty parts left out, order kept. No other rank waits on this
         one's passes."""
-        parts = []
+        if free_B is None:
+            return [(rows, True) for rows in micro_batches]
+        flags, parts = free_B.tolist(), []
         for rows in micro_batches:
-            learning = [i for i in rows if free_B is None or not free_B[i]]
-            free = [] if free_B is None else [i for i in rows if free_B[i]]
+            learning, free = [i for i in rows if not flags[i]], [i for i in rows if flags[i]]
             parts += [(part, learns) for part, learns in ((learning, True), (free, False)) if part]
         return parts
 

@@ -1,4 +1,4 @@
-"""Rows that cannot move the weights, and the micro-batches split around them.
+"""Rows that cannot move the weights.
 
 A GRPO group whose rewards all tie has advantage 0 for every member: "it contributes no gradient
 but still occupies batch capacity" (the spec, on dynamic sampling). Where the objective's only
@@ -7,11 +7,11 @@ KL term in the loss, no distillation divergence), such a row adds exactly zero t
 whatever its logprobs, clip or importance weight. The update still reads it: its tokens count in
 the step's stats (the clip fraction's and the logprob gap's denominators, the gap and KL metrics)
 and in the global normaliser, which the trainer computes from the whole mini-batch anyway. So the
-trainer runs such rows in a forward without autograd, in a micro-batch of their own, and the
-backward covers only the rows that learn (the split is ``DataParallel.passes``: one policy rank
-only, since FSDP's ranks must run the same passes). On the default CPU job 60 % of the groups tie over the
-60 steps, and a backward costs about twice its forward (docs/benchmarks.md, "Issue 18, seventeenth
-session").
+trainer runs such rows in a forward without autograd, in a pass of their own, and the backward
+covers only the rows that learn. The split is ``SingleProcess.passes``: one policy rank only,
+since FSDP's ranks must all run the same passes (``DataParallel.passes`` keeps the plain ones).
+On the default CPU job 60 % of the groups tie over the 60 steps, and a backward costs about twice
+its forward (docs/benchmarks.md, "Issue 18, seventeenth session").
 
 The gradient is the same sum without the zero terms, so the update is the same up to the rounding
 of the smaller products; a group is free only as a whole, so a shared prompt pass
