@@ -396,7 +396,8 @@ class PolicyTrainer:
             norm = self.dp.global_normalizer(norm)  # counts of the whole step, all ranks
             counts.append(torch.stack([torch.as_tensor(norm.num_seqs), torch.as_tensor(norm.num_tokens)]).double())
             loss_sum, free_sum = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
-            for rows, learns in self._passes(batch, mini):
+            passes = self._passes(batch, mini)
+            for rows, learns in passes:
                 pb = self._model_batch(batch, rows)
                 pinned += self.routing.prepare(batch, rows, pb)
                 # one entry over forward and backward: a checkpointed layer recomputes from the same copies
@@ -411,7 +412,7 @@ class PolicyTrainer:
                 loss_sum += loss.detach()
                 free_sum += 0.0 if learns else loss.detach()
                 totals = stats if totals is None else totals.merge(stats)
-            if self._free_B is not None and bool(self._free_B.any()) and not torch.isfinite(free_sum):
+            if not all(learns for _, learns in passes) and not torch.isfinite(free_sum):
                 raise TrainingError(  # their backward, which would have turned the gradient non-finite, did not run
                     f"step {step}: non-finite loss ({float(free_sum)}) in rows whose advantages are all zero; "
                     "the update was not applied. Lower rl.optimizer.lr, set rl.kl_coeff_clamp, or check the data"

@@ -173,15 +173,17 @@ def checked_copy_plan(llm: Any, pairs: Sequence[tuple[str, torch.Tensor]]) -> Co
     destination must hold exactly what the loaders just wrote."""
     start = time.perf_counter()
     plan = _learn_and_check(llm, pairs)
-    if isinstance(plan, str):  # a plain dense model whose loaders a plan should stand in for: say why not
-        _log.warning("weight sync keeps vLLM's weight loaders (a Python call per tensor): %s", plan)
-        return None
-    _log.info(
-        "weight sync: one foreach copy of %d tensors into vLLM's parameters from now on (learned in %.2f s)",
-        len(plan.names),
-        time.perf_counter() - start,
-    )
-    return plan
+    _log.log(*plan_note(plan, time.perf_counter() - start, where="into vLLM's parameters"))
+    return None if isinstance(plan, str) else plan
+
+
+def plan_note(plan: CopyPlan | str, took_s: float, *, where: str) -> tuple[int, str]:
+    """The log line (level, text) for a plan learned ``where`` in ``took_s``, or for the reason
+    there is none: a plain dense model whose loaders a plan should stand in for says why not."""
+    if isinstance(plan, str):
+        return logging.WARNING, f"weight sync keeps vLLM's weight loaders (a Python call per tensor): {plan}"
+    copies = f"one foreach copy of {len(plan.names)} tensors {where}"
+    return logging.INFO, f"weight sync: {copies} from now on (learned in {took_s:.2f} s)"
 
 
 def _learn_and_check(llm: Any, pairs: Sequence[tuple[str, torch.Tensor]]) -> CopyPlan | str:

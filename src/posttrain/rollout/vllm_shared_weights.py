@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-from posttrain.rollout.vllm_copy_plan import CopyPlan, local_copy_plan
+from posttrain.rollout.vllm_copy_plan import CopyPlan, local_copy_plan, plan_note
 from posttrain.rollout.vllm_weight_load import load_in_place, loads_in_place
 
 SyncPath = Literal["plan", "loaders", "reload"]
@@ -147,12 +147,8 @@ class ViewSync:
         self.plan_tried = True
         start = time.perf_counter()
         plan = local_copy_plan(model, self.views)
-        if isinstance(plan, str):
-            return "loaders", (logging.WARNING, f"weight sync keeps vLLM's weight loaders (Python per tensor): {plan}")
-        self.plan = plan
-        took = time.perf_counter() - start
-        note = f"weight sync: one foreach copy of {len(plan.names)} tensors in the engine's process from now on"
-        return "loaders", (logging.INFO, f"{note} (learned in {took:.2f} s)")
+        self.plan = None if isinstance(plan, str) else plan
+        return "loaders", plan_note(plan, time.perf_counter() - start, where="in the engine's process")
 
 
 class SharedWeightsWorker:
