@@ -64,6 +64,8 @@ class Case:
     steps: int = 1
     rtol: float = 1e-5
     param_atol: float = PARAM_ATOL
+    tied: tuple[int, ...] = ()  # groups whose advantages are all zero (free rows, policy/free_rows.py)
+    passes: list[tuple[list[int], bool]] | None = None  # rank 0's passes these must give (its local rows)
 
 
 CASES = [
@@ -77,6 +79,17 @@ CASES = [
     # Each rank packs its own cell (the packing probe runs through FSDP2 at the trainer's start). Its
     # micro-batches hold other sequences than one process's, so sums round in another order, and
     # AdamW's first step (g / (|g| + eps)) magnifies that in near-zero gradient entries: 2.7e-6 seen.
+    # Tied groups (distributed/passes.py): rank 0 holds groups 0-1, rank 1 groups 2-3. Both ranks' one
+    # micro-batch has a tied group -> both split it; group 0 and 2 tied -> the first micro-batch is free
+    # on both ranks; group 0 alone tied -> rank 1 learns there, so both run it whole with autograd.
+    Case(
+        "tied-both-split",
+        ["rl.micro_batch_per_replica=4"],
+        tied=(1, 3),
+        passes=[([2, 3], False), ([0, 1], True)],
+    ),
+    Case("tied-free-on-both", tied=(0, 2), passes=[([0, 1], False), ([2, 3], True)]),
+    Case("tied-on-one-rank", tied=(0,), passes=[([0, 1], True), ([2, 3], True)]),
     Case(
         "packed",
         ["rl.loss_type=token-mean", "model.share_prompt_prefix=false", "model.sequence_packing=true"],
@@ -85,13 +98,16 @@ CASES = [
 ]
 
 
-def _batch() -> TrainBatch:
+def _batch(tied: tuple[int, ...] = ()) -> TrainBatch:
     gen = torch.Generator().manual_seed(0)
     comps = [torch.randint(30, 900, (n,), generator=gen).tolist() for n in LENGTHS]
+    advantages_B = torch.linspace(-1.0, 1.3, len(comps))
+    for group in tied:
+        advantages_B[group * G : (group + 1) * G] = 0.0
     return TrainBatch(
         prompt_ids=[p for p in PROMPTS for _ in range(G)],
         completion_ids=comps,
-        advantages_B=torch.linspace(-1.0, 1.3, len(comps)),
+        advantages_B=advantages_B,
         in_loss_B=torch.tensor(IN_LOSS),
         sampler_logprobs=[[-1.0] * len(c) for c in comps],
         group_size=G,
@@ -124,7 +140,7 @@ def _train(model_dir: str, case: Case, mesh: Any = None) -> dict[str, Any]:
 
     cfg = build_config(None, [*COMMON, *case.overrides])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    batch = _batch()
+    batch = _batch(case.tied)
     if mesh is not None:
         dp = shard_policy(model, mesh)
         batch = take_rows(
@@ -132,8 +148,16 @@ def _train(model_dir: str, case: Case, mesh: Any = None) -> dict[str, Any]:
         )
     trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=2)
     grads = _record_grads(trainer)
+    plans: list[list[tuple[list[int], bool]]] = []
+    passes = trainer._passes
+
+    def recorded(*args: Any) -> list[tuple[list[int], bool]]:
+        plans.append(passes(*args))
+        return plans[-1]
+
+    trainer._passes = recorded  # type: ignore[method-assign]
     metrics = trainer.train_on(batch, step=1)
-    return {"grads": grads, "state": full_state_dict(model), "metrics": metrics}
+    return {"grads": grads, "state": full_state_dict(model), "metrics": metrics, "passes": plans[-1]}
 
 
 def _worker(rank: int, world: int, model_dir: str, out: str) -> None:
@@ -212,6 +236,10 @@ def test_two_ranks_match_one_process(tiny_model_dir: str, two_rank_results: dict
         assert dist["metrics"][key] == pytest.approx(reference["metrics"][key], rel=rel, abs=1e-7), key
     if case.name == "clipped":
         assert reference["metrics"]["train/grad_norm"] > 0.01  # the clip engaged, on the global norm
+    if case.passes is not None:  # the ranks ran the agreed passes (distributed/passes.py), rank 0's rows
+        assert dist["passes"] == case.passes
+    if case.tied:  # one process splits every micro-batch with a tied group
+        assert not all(learns for _, learns in reference["passes"])
 
 
 def _initial(model_dir: str) -> dict[str, torch.Tensor]:

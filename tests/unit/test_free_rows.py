@@ -1,12 +1,14 @@
-"""Rows that learn nothing (policy/free_rows.py) and how a rank splits its passes around them
-(``SingleProcess.passes`` / ``DataParallel.passes``)."""
+"""Rows that learn nothing (policy/free_rows.py) and how ranks split their passes around them
+(distributed/passes.py; ``SingleProcess.passes``). ``DataParallel.passes``' all-reduce runs on two
+gloo ranks in tests/integration/test_fsdp_equivalence.py."""
 
 from __future__ import annotations
 
 import torch
 
 from posttrain.algorithm.loss_types import ObjectiveSpec
-from posttrain.distributed.fsdp import DataParallel, SingleProcess
+from posttrain.distributed.fsdp import SingleProcess
+from posttrain.distributed.passes import agreed_passes, pass_kinds
 from posttrain.policy.free_rows import free_rows
 from posttrain.policy.objective import spec_objective
 from posttrain.policy.train_batch import TokenAdvantages
@@ -25,12 +27,31 @@ def test_per_token_advantages_must_all_be_zero_too() -> None:
     assert free_rows(adv, credit, 2).tolist() == [True, True, False, False]
 
 
-def test_one_process_runs_the_free_rows_apart_and_sharded_ranks_do_not() -> None:
+def test_one_process_runs_the_free_rows_apart() -> None:
     micro = [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11]]
     free = torch.tensor([True] * 4 + [False] * 4 + [True] * 4)
-    assert SingleProcess.passes(micro, free) == [([4, 5, 6, 7], True), ([0, 1, 2, 3], False), ([8, 9, 10, 11], False)]
+    assert SingleProcess.passes(micro, free) == [([0, 1, 2, 3], False), ([8, 9, 10, 11], False), ([4, 5, 6, 7], True)]
     assert SingleProcess.passes(micro, None) == [(rows, True) for rows in micro]
-    assert DataParallel.passes(micro, free) == [(rows, True) for rows in micro]  # every rank the same passes
+
+
+def test_each_micro_batch_is_a_split_a_free_one_or_neither() -> None:
+    micro = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    free = torch.tensor([True, True, False, False] + [False] * 4 + [True] * 4)
+    assert pass_kinds(micro, free).tolist() == [[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]]
+
+
+def test_ranks_split_a_micro_batch_only_where_every_rank_does() -> None:
+    """Two ranks, three micro-batches each: the first both split, the second is all free on one rank
+    only, the third all free on both. The minimum of their kinds is what both run."""
+    micro = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    rank0 = torch.tensor([True, True, False, False] + [True] * 4 + [True] * 4)
+    rank1 = torch.tensor([False, False, True, True] + [False, False, True, True] + [True] * 4)
+    agreed = torch.minimum(pass_kinds(micro, rank0), pass_kinds(micro, rank1))
+    # the passes without autograd first, each rank its own rows
+    assert agreed_passes(micro, rank0, agreed) == [([0, 1], False), (micro[2], False), ([2, 3], True), (micro[1], True)]
+    assert agreed_passes(micro, rank1, agreed) == [([2, 3], False), (micro[2], False), ([0, 1], True), (micro[1], True)]
+    plan = [learns for _, learns in agreed_passes(micro, rank0, agreed)]  # the same sequence on both ranks
+    assert plan == [learns for _, learns in agreed_passes(micro, rank1, agreed)]
 
 
 def test_only_a_kl_term_keeps_a_zero_advantage_row_learning() -> None:

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from posttrain.algorithm.objectives import LossNormalizer, LossStats
+from posttrain.distributed.passes import Pass, agreed_passes, pass_kinds, split_passes
 from posttrain.errors import ConfigError, PosttrainError, TrainingError
 from posttrain.models.structure import split_body_and_head
 
@@ -198,12 +199,15 @@ class DataParallel:
             index = index * self.mesh.size(dim) + c
         return index
 
-    @staticmethod
-    def passes(micro_batches: list[list[int]], free_B: Tensor | None) -> list[tuple[list[int], bool]]:
-        """Every micro-batch as one pass with autograd, free rows (``policy/free_rows.py``) included:
-        every rank must run the same forwards and backwards, whose FSDP gathers and gradient
-        reductions pair up across ranks, and each rank's rows tie differently."""
-        return [(rows, True) for rows in micro_batches]
+    def passes(self, micro_batches: list[list[int]], free_B: Tensor | None) -> list[Pass]:
+        """The mini-batch's passes, the same on every rank: FSDP's gathers and gradient reductions
+        pair up across ranks, and each rank's rows tie differently. One all-reduce of each
+        micro-batch's kind decides (``distributed/passes.py``); every rank holds as
+        many micro-batches (``check_cells``)."""
+        if free_B is None:
+            return [(rows, True) for rows in micro_batches]
+        kinds = pass_kinds(micro_batches, free_B).to(self.mesh.device_type)
+        return agreed_passes(micro_batches, free_B, self.all_reduce_(kinds, dist.ReduceOp.MIN).cpu())
 
     def all_reduce_(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
         """In-place all-reduce over every rank of the mesh (one collective per mesh dimension)."""
@@ -301,17 +305,10 @@ class SingleProcess:
         """One cell: nothing to compare."""
 
     @staticmethod
-    def passes(micro_batches: list[list[int]], free_B: Tensor | None) -> list[tuple[list[int], bool]]:
-        """Each micro-batch's rows that learn, then its free rows (``free_B``, ``policy/free_rows.py``)
-        in a pass without autograd; empty parts left out, order kept. No other rank waits on this
-        one's passes."""
-        if free_B is None:
-            return [(rows, True) for rows in micro_batches]
-        flags, parts = free_B.tolist(), []
-        for rows in micro_batches:
-            learning, free = [i for i in rows if not flags[i]], [i for i in rows if flags[i]]
-            parts += [(part, learns) for part, learns in ((learning, True), (free, False)) if part]
-        return parts
+    def passes(micro_batches: list[list[int]], free_B: Tensor | None) -> list[Pass]:
+        """Each micro-batch's rows that learn, then its free rows without autograd
+        (``distributed/passes.py``); no other rank waits on this one's passes."""
+        return [(rows, True) for rows in micro_batches] if free_B is None else split_passes(micro_batches, free_B)
 
     def global_normalizer(self, norm: LossNormalizer) -> LossNormalizer:
         return norm

@@ -188,7 +188,7 @@ class PolicyTrainer:
 
     def _passes(self, batch: TrainBatch, mini: list[int]) -> list[tuple[list[int], bool]]:
         """A mini-batch's passes, ``(rows, learns)``: its micro-batches, each split into the rows that
-        learn and the free rows (no autograd) where the policy's ranks allow it (``dp.passes``)."""
+        learn and the free rows (no autograd) where every policy rank can (``dp.passes``)."""
         return self.dp.passes(self._micro_batches(batch, mini), self._free_B)
 
     def _model_batch(self, batch: TrainBatch, rows: list[int]) -> PolicyBatch | GroupedBatch:
@@ -412,9 +412,11 @@ class PolicyTrainer:
                 loss_sum += loss.detach()
                 free_sum += 0.0 if learns else loss.detach()
                 totals = stats if totals is None else totals.merge(stats)
-            if not all(learns for _, learns in passes) and not torch.isfinite(free_sum):
+            # every rank ran the same passes (dp.passes), so every rank takes this branch, and the flag agrees
+            if not all(learns for _, learns in passes) and not self.dp.all_finite([free_sum]):
                 raise TrainingError(  # their backward, which would have turned the gradient non-finite, did not run
-                    f"step {step}: non-finite loss ({float(free_sum)}) in rows whose advantages are all zero; "
+                    f"step {step}: non-finite loss in rows whose advantages are all zero (this rank's: "
+                    f"{float(free_sum)}); "
                     "the update was not applied. Lower rl.optimizer.lr, set rl.kl_coeff_clamp, or check the data"
                 )
             grad_norms.append(self._optimizer_step(step))
@@ -440,6 +442,9 @@ class PolicyTrainer:
 
     def _optimizer_step(self, step: int) -> float:
         """Clip, check, step. A non-finite gradient or update is fatal; an exactly-zero one is skipped."""
+        # no gathered copy may outlive the shards it was gathered from: a pass without autograd (pi_old, free
+        # rows) leaves FSDP's root unit gathered, and its parameters would then be the gathered tensors
+        self.dp.reshard(self.model)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.cfg.rl.optimizer.grad_clip_norm or float("inf")
         # the global norm, the same float on every rank: the skip and abort below agree everywhere
@@ -461,7 +466,6 @@ class PolicyTrainer:
             self.zero_grad_skips_total += 1
             self.optimizer.zero_grad(set_to_none=True)
             return grad_norm
-        self.dp.reshard(self.model)  # no gathered copy may outlive the shards it was gathered from
         try:
             self.optimizer.step()
         except RuntimeError as exc:  # e.g. an lr whose step size overflows fp32 inside the fused update

@@ -1,0 +1,64 @@
+"""A mini-batch's passes: which rows run together, and which of those passes run with autograd.
+
+The trainer marks the rows that cannot move the weights (``policy/free_rows.py``: whole groups
+with all-zero advantages under an objective whose only gradient is the advantage-weighted
+surrogate). Their forward still runs, for the step's metrics, but without autograd, and the
+backward covers only the rows that learn. In one process each micro-batch simply splits in two
+(``split_passes``). FSDP's ranks must run the same sequence of passes, since every forward gathers
+the sharded weights and every backward reduces gradients, collectives that pair up across ranks,
+while each rank's rows tie differently. There a micro-batch is split only where every rank splits it,
+and runs without autograd only where it is free on every rank (``pass_kinds``, reduced by
+minimum, then ``agreed_passes``); otherwise it runs whole with autograd, its free rows adding zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Pass = tuple[list[int], bool]  # a pass's rows, and whether it learns (runs with autograd)
+
+
+def split_passes(micro_batches: list[list[int]], free_B: torch.Tensor) -> list[Pass]:
+    """Each micro-batch's free rows in a pass without autograd, then each one's rows that learn;
+    empty parts left out. The free passes run first (``free_first``)."""
+    flags, parts = free_B.tolist(), []
+    for rows in micro_batches:
+        learning, free = [i for i in rows if not flags[i]], [i for i in rows if flags[i]]
+        parts += [(part, learns) for part, learns in ((free, False), (learning, True)) if part]
+    return free_first(parts)
+
+
+def free_first(parts: list[Pass]) -> list[Pass]:
+    """The passes without autograd, then those with, each in their order. The gradient is a sum, so
+    the order does not change it; a forward without autograd between two backwards under FSDP2
+    (torch 2.11) dropped the gradient the [embedding, head] unit had accumulated so far (two gloo
+    ranks, tests/integration/test_fsdp_equivalence.py), while one before the first backward is what
+    the pi_old pass has always done."""
+    return [p for p in parts if not p[1]] + [p for p in parts if p[1]]
+
+
+def pass_kinds(micro_batches: list[list[int]], free_B: torch.Tensor) -> torch.Tensor:
+    """Per micro-batch (float, shape ``[M, 2]``): 1.0 where it has rows that learn and free rows, 1.0 where
+    every row is free. Their minimum over ranks is what every rank may do (``agreed_passes``)."""
+    flags = free_B.tolist()
+    kinds = []
+    for rows in micro_batches:
+        free = sum(flags[i] for i in rows)
+        kinds.append([float(0 < free < len(rows)), float(free == len(rows))])
+    return torch.tensor(kinds, dtype=torch.float32).reshape(len(micro_batches), 2)
+
+
+def agreed_passes(micro_batches: list[list[int]], free_B: torch.Tensor, agreed_kinds: torch.Tensor) -> list[Pass]:
+    """The passes every rank runs alike, from ``pass_kinds``'s minimum over the ranks: a micro-batch
+    free on every rank runs without autograd; one that every rank splits is split; any other runs
+    whole with autograd (its free rows add zero to the gradient, as before the split existed). The
+    passes without autograd come first (``free_first``)."""
+    parts: list[Pass] = []
+    for rows, (split, all_free) in zip(micro_batches, agreed_kinds.tolist(), strict=True):
+        if all_free:
+            parts.append((rows, False))
+        elif split:
+            parts += split_passes([rows], free_B)
+        else:
+            parts.append((rows, True))
+    return free_first(parts)
