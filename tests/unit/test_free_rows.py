@@ -9,7 +9,7 @@ import torch
 from posttrain.algorithm.loss_types import ObjectiveSpec
 from posttrain.distributed.fsdp import SingleProcess
 from posttrain.distributed.passes import agreed_passes, pass_kinds
-from posttrain.policy.free_rows import free_rows
+from posttrain.policy.free_rows import free_groups_first, free_rows
 from posttrain.policy.objective import spec_objective
 from posttrain.policy.train_batch import TokenAdvantages
 
@@ -25,6 +25,14 @@ def test_per_token_advantages_must_all_be_zero_too() -> None:
     adv = torch.zeros(4)
     credit = TokenAdvantages(values=[[0.0, 0.0], [0.0], [0.0, 0.5], [0.0, 0.0, 0.0]])
     assert free_rows(adv, credit, 2).tolist() == [True, True, False, False]
+
+
+def test_free_groups_go_first_whole_and_in_order() -> None:
+    free = [False, False, True, True, False, False, True, True, True, False]
+    assert free_groups_first([0, 1, 2, 3, 4, 5, 6, 7], free, 2) == [2, 3, 6, 7, 0, 1, 4, 5]
+    # a group counts as free only whole: rows 8-9 have one free row, so they stay with the learning ones
+    assert free_groups_first([4, 5, 8, 9, 6, 7], free, 2) == [6, 7, 4, 5, 8, 9]
+    assert free_groups_first([0, 1, 2, 3], [False] * 4, 2) == [0, 1, 2, 3]
 
 
 def test_one_process_runs_the_free_rows_apart() -> None:

@@ -3,12 +3,15 @@
 The trainer marks the rows that cannot move the weights (``policy/free_rows.py``: whole groups
 with all-zero advantages under an objective whose only gradient is the advantage-weighted
 surrogate). Their forward still runs, for the step's metrics, but without autograd, and the
-backward covers only the rows that learn. In one process each micro-batch simply splits in two
-(``split_passes``). FSDP's ranks must run the same sequence of passes, since every forward gathers
-the sharded weights and every backward reduces gradients, collectives that pair up across ranks,
-while each rank's rows tie differently. There a micro-batch is split only where every rank splits it,
-and runs without autograd only where it is free on every rank (``pass_kinds``, reduced by
-minimum, then ``agreed_passes``); otherwise it runs whole with autograd, its free rows adding zero.
+backward covers only the rows that learn. The trainer cuts its micro-batches with the free groups
+first (``free_groups_first``), so all but at most one are wholly free or wholly learning (not under
+``model.sequence_packing``, whose cells follow the lengths). In one
+process each micro-batch then splits in two where it holds both (``split_passes``). FSDP's ranks
+must run the same sequence of passes, since every forward gathers the sharded weights and every
+backward reduces gradients, collectives that pair up across ranks, while each rank's rows tie
+differently. There a micro-batch runs without autograd only where it is free on every rank, and is
+split only where every rank splits it (``pass_kinds``, reduced by minimum, then ``agreed_passes``);
+otherwise it runs whole with autograd, its free rows adding zero.
 """
 
 from __future__ import annotations

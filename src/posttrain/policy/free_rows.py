@@ -35,3 +35,16 @@ def free_rows(advantages_B: torch.Tensor, token_advantages: TokenAdvantages | No
     if zero_B.numel() % g:  # not whole groups: decide row by row
         return zero_B
     return zero_B.view(-1, g).all(dim=1).repeat_interleave(g)
+
+
+def free_groups_first(rows: list[int], free: list[bool], group_size: int) -> list[int]:
+    """``rows`` (whole groups, laid out group by group) with the groups whose every row is ``free``
+    first, each part in its order. Micro-batches cut from this order hold free groups only, up to
+    one mixed micro-batch, then groups that learn: whole micro-batches then skip the backward, and
+    on FSDP ranks they do so at the same positions (``distributed/passes.py``)."""
+    g = max(group_size, 1)
+    groups = [rows[i : i + g] for i in range(0, len(rows), g)]
+    tied = [all(free[i] for i in group) for group in groups]
+    return [i for group, t in zip(groups, tied, strict=True) if t for i in group] + [
+        i for group, t in zip(groups, tied, strict=True) if not t for i in group
+    ]

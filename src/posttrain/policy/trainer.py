@@ -26,7 +26,7 @@ from posttrain.models.fused_kernels import apply_fused_kernels, fusable, fused_k
 from posttrain.models.precision import compute_weights, dtype_name, resolve_precision
 from posttrain.models.structure import compile_layers, split_body_and_head
 from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_micro_batches
-from posttrain.policy.free_rows import free_rows
+from posttrain.policy.free_rows import free_groups_first, free_rows
 from posttrain.policy.images import (
     SHARED_PROMPT_REFUSAL,
     ImageInputs,
@@ -169,15 +169,18 @@ class PolicyTrainer:
     def _micro_batches(self, batch: TrainBatch, mini: list[int]) -> list[list[int]]:
         """Micro-batches of a mini-batch: whole groups when the prompt pass is shared, else rows sorted
         by length so that little padding is computed (with ``model.sequence_packing``, the split
-        that packs into the fewest cells; as many micro-batches either way)."""
+        that packs into the fewest cells; as many micro-batches either way). Free rows (``_free_B``)
+        come first, so that whole micro-batches of them skip the backward, on every rank alike."""
         size = self.cfg.rl.micro_batch_per_replica or len(mini)
+        free = None if self._free_B is None else self._free_B.tolist()
         if self._shares_prefix(batch, size, mini):
-            return [mini[i : i + size] for i in range(0, len(mini), size)]
+            order = mini if free is None else free_groups_first(mini, free, batch.group_size)
+            return [order[i : i + size] for i in range(0, len(order), size)]
         lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in mini]
         if self.cfg.model.sequence_packing:
             return [[mini[j] for j in micro] for micro in packed_micro_batches(lengths, size)]
-        by_len = [mini[j] for j in sorted(range(len(mini)), key=lambda j: lengths[j])]
-        return [by_len[i : i + size] for i in range(0, len(by_len), size)]
+        by_len = sorted(range(len(mini)), key=lambda j: (free is None or not free[mini[j]], lengths[j]))
+        return [[mini[j] for j in by_len[i : i + size]] for i in range(0, len(by_len), size)]
 
     def _free_rows(self, batch: TrainBatch) -> torch.Tensor | None:
         """The rows that learn nothing (``policy/free_rows.py``), or None: the objective has a term that
