@@ -34,7 +34,7 @@ def split_passes(micro_batches: list[list[int]], free_B: torch.Tensor) -> list[P
 def free_first(parts: list[Pass]) -> list[Pass]:
     """The passes without autograd, then those with, each in their order. The gradient is a sum, so
     the order does not change it; a forward without autograd between two backwards under FSDP2
-    (torch 2.11) dropped the gradient the [embedding, head] unit had accumulated so far (two gloo
+    (torch 2.13) dropped the gradient the [embedding, head] unit had accumulated so far (two gloo
     ranks, tests/integration/test_fsdp_equivalence.py), while one before the first backward is what
     the pi_old pass has always done."""
     return [p for p in parts if not p[1]] + [p for p in parts if p[1]]
