@@ -76,9 +76,6 @@ CASES = [
     Case("clipped", ["rl.optimizer.grad_clip_norm=0.01"], rtol=NORM_RTOL),
     Case("hsdp", ["rl.loss_type=seq-mean-token-mean"], dp_replicate=2),
     Case("control-local-norm", ["rl.loss_type=token-mean"], local_norm=True),
-    # Each rank packs its own cell (the packing probe runs through FSDP2 at the trainer's start). Its
-    # micro-batches hold other sequences than one process's, so sums round in another order, and
-    # AdamW's first step (g / (|g| + eps)) magnifies that in near-zero gradient entries: 2.7e-6 seen.
     # Tied groups (distributed/passes.py): rank 0 holds groups 0-1, rank 1 groups 2-3, and each rank
     # puts its tied groups first (free_groups_first). Both ranks' one micro-batch holds a tied group ->
     # both split it; groups 0 and 2 tied, or 1 and 2 (second on rank 0, moved first) -> the first
@@ -96,6 +93,9 @@ CASES = [
     Case("tied-free-on-both", tied=(0, 2), passes=[([0, 1], False), ([2, 3], True)]),
     Case("tied-moved-first", tied=(1, 2), passes=[([2, 3], False), ([0, 1], True)]),
     Case("tied-on-one-rank", tied=(0,), passes=[([0, 1], True), ([2, 3], True)]),
+    # Each rank packs its own cell (the packing probe runs through FSDP2 at the trainer's start). Its
+    # micro-batches hold other sequences than one process's, so sums round in another order, and
+    # AdamW's first step (g / (|g| + eps)) magnifies that in near-zero gradient entries: 2.7e-6 seen.
     Case(
         "packed",
         ["rl.loss_type=token-mean", "model.share_prompt_prefix=false", "model.sequence_packing=true"],
@@ -244,7 +244,7 @@ def test_two_ranks_match_one_process(tiny_model_dir: str, two_rank_results: dict
         assert reference["metrics"]["train/grad_norm"] > 0.01  # the clip engaged, on the global norm
     if case.passes is not None:  # the ranks ran the agreed passes (distributed/passes.py), rank 0's rows
         assert dist["passes"] == case.passes
-    if case.tied:  # one process splits every micro-batch with a tied group
+    if case.tied:  # one process, too, runs its tied groups without autograd
         assert not all(learns for _, learns in reference["passes"])
 
 

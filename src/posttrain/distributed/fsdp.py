@@ -306,8 +306,8 @@ class SingleProcess:
 
     @staticmethod
     def passes(micro_batches: list[list[int]], free_B: Tensor | None) -> list[Pass]:
-        """Each micro-batch's rows that learn, then its free rows without autograd
-        (``distributed/passes.py``); no other rank waits on this one's passes."""
+        """Each micro-batch split into its free rows, run without autograd, and its rows that learn, the
+        free passes first (``distributed/passes.py``); no other rank waits on this one's passes."""
         return [(rows, True) for rows in micro_batches] if free_B is None else split_passes(micro_batches, free_B)
 
     def global_normalizer(self, norm: LossNormalizer) -> LossNormalizer:
