@@ -69,6 +69,8 @@
 #   smallreq the small job's rollout requests: unseeded (rollout.seed=null: no per-request generator in vLLM's
 #          sampler) and without sampler logprobs (rollout.sampler_logprobs_every=0); W's fifth-session arms did
 #          not separate above its noise, the small step's 16-token rollout is not measured that way
+#   lease19  W as shipped, TRL on W, the small job as shipped (one call); lease19c one-step off-policy W with
+#          the update graphed in-process, then tests/gpu/test_vllm_gpu.py (hostcosts is the call between)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -522,6 +524,30 @@ case "${1:-}" in
     small_job small_unseeded 190 rollout.seed=null
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
     small_job small_nologprobs 190 rollout.sampler_logprobs_every=0
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  lease19)
+    # the nineteenth session's first call: W as shipped and TRL on W in the same lease, then the small job
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    step w_flat 200 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/flat" --arms "shipped:steps=5"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    trl w 150 /tmp/m05 32,8,256
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    small_job small_shipped 170
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  lease19c)
+    # its third: one-step off-policy W with the update graphed in-process, then the vLLM GPU test (the
+    # in-process WeightWriter: loaders once, then the copy plan)
+    environment
+    model 0.5b /tmp/m05
+    step w_offpolicy_graphs 200 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --cuda-graphs \
+      --out "$R/w_offpolicy_graphs.json"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    mkdir -p "$R/tests"
+    POSTTRAIN_GPU_TEST_REPORT=$R/tests/vllm_gpu.json timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+      tests/gpu/test_vllm_gpu.py >"$R/tests/vllm_gpu.log" 2>&1
+    echo "vllm_gpu rc=$?"; tail -2 "$R/tests/vllm_gpu.log" | cut -c1-300
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;

@@ -142,7 +142,7 @@ def test_sleep_frees_memory_and_an_update_moves_the_engine_logprobs(
     # a dense bf16 model on CUDA: written in place by the model's weight loaders (vllm_weight_load.py),
     # every parameter reported written (else the engine would have fallen back to vLLM's reload); the
     # first load learned the copy plan (vllm_copy_plan.py), which wrote this second one
-    assert engine.direct_weight_load and engine._copy_plan is not None
+    assert engine._writer.in_place and engine._writer.plan is not None
     REPORT.update(
         weight_load="in place (copy plan after model.load_weights)",
         sleep_s=engine.last_sleep_s,
@@ -178,7 +178,7 @@ def test_the_copy_plan_writes_fp32_master_weights_as_vllms_loaders_do(engine, mo
     masters = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().state_dict()
     moved = {name: t + 1e-3 * torch.randn_like(t) for name, t in masters.items()}
     engine.load_weights(moved, version=7)
-    assert engine._copy_plan is not None and engine.weight_version == 7
+    assert engine._writer.plan is not None and engine.weight_version == 7
 
     def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -256,7 +256,7 @@ def test_weights_go_in_place_only_where_vllm_would_process_nothing(engine: VLLMR
     """vLLM's CPU build repacks every linear weight after loading, so this engine keeps vLLM's reload;
     the same dense model's layers are all plain (unquantized) ones, so on CUDA it would take its
     weights in place (rollout/vllm_weight_load.py; the GPU test runs that path)."""
-    assert engine.direct_weight_load is False
+    assert engine._writer.in_place is False
     assert engine._llm.apply_model(functools.partial(loads_in_place, cuda=True)) == [True]
     assert engine._llm.apply_model(functools.partial(loads_in_place, cuda=False)) == [False]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from posttrain.rollout.vllm_copy_plan import CopyPlan, checked_copy_plan, learn_copy_plan
+from posttrain.rollout.vllm_copy_plan import CopyPlan, WeightWriter, checked_copy_plan, learn_copy_plan
 from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 from posttrain.rollout.vllm_shared_weights import ViewSync
 
@@ -164,9 +164,11 @@ class InProcess:
 
 def test_checked_plan_needs_the_live_model_and_what_the_loaders_wrote() -> None:
     model = Stacked()
-    assert checked_copy_plan(InProcess(model), transfer(0)) is None  # the loaders have not written transfer(0)
+    unwritten = checked_copy_plan(InProcess(model), transfer(0))  # the loaders have not written transfer(0)
+    assert isinstance(unwritten, str) and "differ from what the loaders wrote" in unwritten
     model.load_weights(transfer(0))
-    assert checked_copy_plan(InProcess(model, copies=True), transfer(0)) is None  # views of a copy
+    copied = checked_copy_plan(InProcess(model, copies=True), transfer(0))  # views of a copy
+    assert isinstance(copied, str) and "not in the live model's memory" in copied
     assert isinstance(checked_copy_plan(InProcess(model), transfer(0)), CopyPlan)
 
 
@@ -176,7 +178,7 @@ def engine_on(model: Stacked) -> VLLMRolloutEngine:
     engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
     engine._llm = InProcess(model)
     engine.weight_dtype = None
-    engine.direct_weight_load, engine._copy_plan, engine._copy_plan_tried = True, None, False
+    engine._writer = WeightWriter(in_place=True)
     engine._weights_dropped = False
     engine._engine_thread_count = contextlib.nullcontext  # type: ignore[method-assign]
     return engine
@@ -185,14 +187,14 @@ def engine_on(model: Stacked) -> VLLMRolloutEngine:
 def test_the_engine_loads_with_the_loaders_once_then_by_the_plan() -> None:
     model, reference = Stacked(), Stacked()
     engine = engine_on(model)
-    engine._load_in_place(transfer(0))
-    assert model.loads == 2 and isinstance(engine._copy_plan, CopyPlan)  # the loaders' load, then the probe
-    engine._load_in_place(transfer(1))
+    engine._write_in_process(transfer(0))
+    assert model.loads == 2 and isinstance(engine._writer.plan, CopyPlan)  # the loaders' load, then the probe
+    engine._write_in_process(transfer(1))
     assert model.loads == 2  # the plan wrote it
     reference.load_weights(transfer(1))
     assert all(torch.equal(v, params(model)[k]) for k, v in params(reference).items())
     engine._weights_dropped = True  # a level-2 sleep: the loaders refill everything again
-    engine._load_in_place(transfer(2))
+    engine._write_in_process(transfer(2))
     assert model.loads == 3
 
 
@@ -200,10 +202,24 @@ def test_the_engine_keeps_the_loaders_where_no_plan_passes(caplog: pytest.LogCap
     model = Stacked(permute=True)
     engine = engine_on(model)
     with caplog.at_level(logging.WARNING, logger="posttrain.rollout"):
-        engine._load_in_place(transfer(0))
+        engine._write_in_process(transfer(0))
     assert "keeps vLLM's weight loaders" in caplog.text and "does not land as one run" in caplog.text
-    engine._load_in_place(transfer(1))
-    assert engine._copy_plan is None and model.loads == 3  # loaded, probed once (refused), loaded
+    engine._write_in_process(transfer(1))
+    assert engine._writer.plan is None and model.loads == 3  # loaded, probed once (refused), loaded
+
+
+def test_the_engine_reloads_this_transfer_and_later_ones_where_the_loaders_leave_parameters_unwritten(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model, reloads = Stacked(), []
+    model.load_weights = lambda weights: set()  # type: ignore[method-assign,assignment]
+    engine = engine_on(model)
+    engine._reload = lambda pairs: reloads.append([name for name, _ in pairs])  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="posttrain.rollout"):
+        engine._write_in_process(transfer(0))
+    assert "left 5 parameter(s) unwritten" in caplog.text and engine._writer.in_place is False
+    engine._write_in_process(transfer(1))
+    assert reloads == [[name for name, _ in transfer(0)]] * 2 and engine._writer.plan is None
 
 
 def refill_views(views: list[tuple[str, torch.Tensor]], seed: int) -> None:
@@ -218,7 +234,7 @@ def test_the_engine_process_loads_the_views_with_the_loaders_once_then_by_the_pl
     sync = ViewSync(views, in_place=True)
     path, note = sync.sync(model, lambda: reloads.append(1))
     assert path == "loaders" and note is not None and note[0] == logging.INFO and "one foreach copy of 8" in note[1]
-    assert model.loads == 2 and isinstance(sync.plan, CopyPlan)  # the loaders' load, then the probe
+    assert model.loads == 2 and isinstance(sync.writer.plan, CopyPlan)  # the loaders' load, then the probe
     refill_views(views, 1)
     assert sync.sync(model, lambda: reloads.append(1)) == ("plan", None) and model.loads == 2
     reference.load_weights(transfer(1))
@@ -233,7 +249,7 @@ def test_the_engine_process_reloads_where_the_loaders_leave_parameters_unwritten
     sync = ViewSync(transfer(0), in_place=True)
     path, note = sync.sync(model, lambda: reloads.append(1))
     assert path == "reload" and reloads == [1] and note is not None and note[0] == logging.WARNING
-    assert "left 5 parameter(s) unwritten" in note[1] and not sync.in_place
+    assert "left 5 parameter(s) unwritten" in note[1] and not sync.writer.in_place
     assert sync.sync(model, lambda: reloads.append(1)) == ("reload", None) and reloads == [1, 1]
 
 

@@ -27,13 +27,15 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-_log = logging.getLogger("posttrain.rollout")
+SyncPath = Literal["plan", "loaders", "reload"]
+# what a sync did, and a log line (level, text) when its path changed
+SyncOutcome = tuple[SyncPath, tuple[int, str] | None]
 
 _UNWRITTEN = math.nan  # a stand-in row no loader wrote (0.0 is a row a loader filled with zeros)
 # Row ids are n + 1/2: a loader that scales, adds or averages the probe leaves values off that grid.
@@ -166,15 +168,56 @@ def _read_plan(
     return CopyPlan(tuple(names), tuple(views), frozenset(set(tensors) - landed))
 
 
-def checked_copy_plan(llm: Any, pairs: Sequence[tuple[str, torch.Tensor]]) -> CopyPlan | None:
-    """The copy plan of the vLLM ``LLM``'s model, learned on ``pairs`` right after the model's own
-    loaders wrote them, or None (a warning says why) where there is none or it fails its check: the
-    model must live in this process (one worker, its views the live parameters' storage), and every
-    destination must hold exactly what the loaders just wrote."""
-    start = time.perf_counter()
-    plan = _learn_and_check(llm, pairs)
-    _log.log(*plan_note(plan, time.perf_counter() - start, where="into vLLM's parameters"))
-    return None if isinstance(plan, str) else plan
+class WeightWriter:
+    """Which way a weight sync writes a transfer into vLLM's model, kept from one sync to the next:
+    one state machine for the in-process engine (``vllm_engine.py``) and for an engine core's worker
+    (``vllm_shared_weights.py``), which differ only in how they reach the model.
+
+    The copy plan once there is one (not on a ``refill``: after a level-2 sleep the loaders run
+    again, as they also refill what no tensor carries); else the model's own loaders where they go
+    in place (``in_place``, ``vllm_weight_load.loads_in_place``), learning the plan after the first
+    such load; else vLLM's reload. Should the loaders report parameters they did not write, the
+    writer takes vLLM's reload from then on, and the reload writes every tensor of this transfer
+    again, so no transfer is ever partial."""
+
+    def __init__(self, *, in_place: bool) -> None:
+        self.in_place = in_place
+        self.plan: CopyPlan | None = None
+        self.plan_tried = False
+
+    def write(
+        self,
+        sources: Sequence[tuple[str, torch.Tensor]],
+        *,
+        load: Callable[[], list[str]],
+        reload: Callable[[], None],
+        learn: Callable[[], CopyPlan | str],
+        where: str,
+        refill: bool = False,
+    ) -> SyncOutcome:
+        """Write ``sources`` (the plan casts them); ``load`` runs the model's loaders and returns the
+        parameters they left unwritten, ``reload`` runs vLLM's reload, ``learn`` learns and checks a
+        plan (or says why none) right after a load; ``where`` the plan copies, for its log line. The
+        path taken, and a log line (level, text) where the path changed."""
+        if self.plan is not None and not refill:
+            self.plan.copy_(sources)
+            return "plan", None
+        if not self.in_place:
+            reload()
+            return "reload", None
+        unwritten = load()
+        if unwritten:
+            self.in_place = False
+            reload()
+            note = f"vLLM's load_weights left {len(unwritten)} parameter(s) unwritten (first: {unwritten[0]}); "
+            return "reload", (logging.WARNING, note + "using vLLM's reload_weights for this and every later sync")
+        if self.plan_tried:
+            return "loaders", None
+        self.plan_tried = True
+        start = time.perf_counter()
+        plan = learn()
+        self.plan = None if isinstance(plan, str) else plan
+        return "loaders", plan_note(plan, time.perf_counter() - start, where=where)
 
 
 def plan_note(plan: CopyPlan | str, took_s: float, *, where: str) -> tuple[int, str]:
@@ -186,7 +229,11 @@ def plan_note(plan: CopyPlan | str, took_s: float, *, where: str) -> tuple[int, 
     return logging.INFO, f"weight sync: {copies} from now on (learned in {took_s:.2f} s)"
 
 
-def _learn_and_check(llm: Any, pairs: Sequence[tuple[str, torch.Tensor]]) -> CopyPlan | str:
+def checked_copy_plan(llm: Any, pairs: Sequence[tuple[str, torch.Tensor]]) -> CopyPlan | str:
+    """The copy plan of the vLLM ``LLM``'s model, learned on ``pairs`` right after the model's own
+    loaders wrote them, or why there is none (it fails its check): the model must live in this
+    process (one worker, its views the live parameters' storage), and every destination must hold
+    exactly what the loaders just wrote."""
     learned = llm.apply_model(functools.partial(learn_copy_plan, named=pairs))
     if len(learned) != 1:
         return f"the model runs in {len(learned)} workers"

@@ -49,7 +49,7 @@ from posttrain.models.chat import eos_token_ids
 from posttrain.models.moe import checkpoint_layout
 from posttrain.rollout.base import RolloutBatch, SamplingParams, check_generate_inputs, generation_stats
 from posttrain.rollout.state import RESUME_HINT, EngineState, records_logprobs
-from posttrain.rollout.vllm_copy_plan import CopyPlan, checked_copy_plan
+from posttrain.rollout.vllm_copy_plan import WeightWriter, checked_copy_plan
 from posttrain.rollout.vllm_images import (
     IMAGE_PAD,
     ban_tokens,
@@ -195,11 +195,9 @@ class VLLMRolloutEngine:
             )
         self._shared = SharedWeightsSender(self._llm) if separate_process else None
         # a plain dense model on CUDA takes the weights in place (rollout/vllm_weight_load.py)
-        self.direct_weight_load = self._shared is None and all(
-            self._llm.apply_model(functools.partial(loads_in_place, cuda=cuda))
-        )
-        self._copy_plan: CopyPlan | None = None  # learned at the first in-place load (vllm_copy_plan.py)
-        self._copy_plan_tried = False
+        self._writer = WeightWriter(
+            in_place=self._shared is None and all(self._llm.apply_model(functools.partial(loads_in_place, cuda=cuda)))
+        )  # and the copy plan it learns at the first in-place load (vllm_copy_plan.py)
         # a seeded call: the engine's generators seeded once (call_seeds), or a seed per prompt
         workers = self._llm.llm_engine.vllm_config.parallel_config.world_size  # vLLM's TP x PP
         self.seeding = engine_seeding(call_seeds, separate_process=separate_process, vllm_workers=workers)
@@ -327,10 +325,8 @@ class VLLMRolloutEngine:
             # parameters with model.load_weights is not enough).
             if self._shared is not None:
                 self._shared.push(self._cast(named), refill=self._weights_dropped)
-            elif self.direct_weight_load:
-                self._load_in_place(named)
             else:
-                self._reload(self._cast(named))
+                self._write_in_process(named)
             self._weights_dropped = False
             self.wake_up()
             self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
@@ -353,31 +349,26 @@ class VLLMRolloutEngine:
             if self._repack_moe:  # vLLM's CPU build skips its MoE prepack on reloads (vllm_moe.py)
                 self._llm.apply_model(repack_cpu_moe)
 
-    def _load_in_place(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """The model's own weight loaders write the transfer into its parameters; once a copy plan is
-        learned and checked on such a load (``rollout/vllm_copy_plan.py``), one foreach copy does, also
-        casting fp32 master weights (after a level-2 sleep the loaders run again: they also refill
-        what no tensor carries). Should a model report parameters it did not write, this engine falls
-        back to vLLM's reload from now on, and the reload writes every tensor of this transfer again
-        (so no transfer is ever partial)."""
-        if self._copy_plan is not None and not self._weights_dropped:
-            self._copy_plan.copy_(named)
-            return
-        pairs = self._cast(named)
-        with self._engine_thread_count():
-            unwritten = [name for names in self._llm.apply_model(load_in_place(pairs)) for name in names]
-        if unwritten:
-            _log.warning(
-                "vLLM's load_weights left %d parameter(s) unwritten (first: %s); using vLLM's reload_weights "
-                "for this and every later weight sync",
-                len(unwritten),
-                unwritten[:3],
-            )
-            self.direct_weight_load = False
-            self._reload(pairs)
-        elif self._copy_plan is None and not self._copy_plan_tried:
-            self._copy_plan_tried = True
-            self._copy_plan = checked_copy_plan(self._llm, pairs)
+    def _write_in_process(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Write the transfer into the model in this process's engine core, the way ``WeightWriter``
+        chose: one foreach copy by the copy plan (it casts fp32 master weights itself), the model's
+        own weight loaders, or vLLM's reload."""
+        cast = functools.cache(lambda: self._cast(named))  # only the loaders and the reload need it
+
+        def load() -> list[str]:
+            with self._engine_thread_count():
+                return [name for names in self._llm.apply_model(load_in_place(cast())) for name in names]
+
+        _, note = self._writer.write(
+            named,
+            load=load,
+            reload=lambda: self._reload(cast()),
+            learn=lambda: checked_copy_plan(self._llm, cast()),
+            where="into vLLM's parameters",
+            refill=self._weights_dropped,
+        )
+        if note is not None:
+            _log.log(*note)
 
     def _commit(self, version: int) -> None:
         """Stamp ``version`` once a whole transfer of its weights succeeded, and remember that vLLM

@@ -24,18 +24,13 @@ from __future__ import annotations
 import io
 import logging
 import pickle
-import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from posttrain.rollout.vllm_copy_plan import CopyPlan, local_copy_plan, plan_note
+from posttrain.rollout.vllm_copy_plan import SyncOutcome, SyncPath, WeightWriter, local_copy_plan
 from posttrain.rollout.vllm_weight_load import load_in_place, loads_in_place
-
-SyncPath = Literal["plan", "loaders", "reload"]
-# what a worker's sync did, and a line for the trainer's log (level, text) when its path changed
-SyncOutcome = tuple[SyncPath, tuple[int, str] | None]
 
 WORKER_EXTENSION = "posttrain.rollout.vllm_shared_weights.SharedWeightsWorker"
 _log = logging.getLogger("posttrain.rollout")
@@ -119,36 +114,25 @@ class SharedWeightsSender:
 
 
 class ViewSync:
-    """How one worker writes the mapped buffer's views into its model, from the first sync on."""
+    """How one worker writes the mapped buffer's views into its model, from the first sync on (the
+    path is ``WeightWriter``'s, shared with the in-process engine)."""
 
     def __init__(self, views: list[tuple[str, torch.Tensor]], *, in_place: bool) -> None:
         self.views = views
-        self.in_place = in_place  # the model's own loaders give what reload_weights gives (loads_in_place)
-        self.plan: CopyPlan | None = None
-        self.plan_tried = False
+        # in_place: the model's own loaders give what reload_weights gives (loads_in_place)
+        self.writer = WeightWriter(in_place=in_place)
 
     def sync(self, model: torch.nn.Module, reload: Callable[[], None], *, refill: bool = False) -> SyncOutcome:
         """Write the views into ``model``: by the copy plan once there is one (not on a ``refill``),
         else by the model's loaders (learning the plan after the first such load), else ``reload``."""
-        if self.plan is not None and not refill:
-            self.plan.copy_(self.views)
-            return "plan", None
-        if not self.in_place:
-            reload()
-            return "reload", None
-        unwritten = load_in_place(self.views)(model)
-        if unwritten:  # as the in-process engine does: vLLM's reload from now on, this transfer again
-            self.in_place = False
-            reload()
-            note = f"vLLM's load_weights left {len(unwritten)} parameter(s) unwritten (first: {unwritten[0]}); "
-            return "reload", (logging.WARNING, note + "using vLLM's reload_weights for this and every later sync")
-        if self.plan_tried:
-            return "loaders", None
-        self.plan_tried = True
-        start = time.perf_counter()
-        plan = local_copy_plan(model, self.views)
-        self.plan = None if isinstance(plan, str) else plan
-        return "loaders", plan_note(plan, time.perf_counter() - start, where="in the engine's process")
+        return self.writer.write(
+            self.views,
+            load=lambda: load_in_place(self.views)(model),
+            reload=reload,
+            learn=lambda: local_copy_plan(model, self.views),
+            where="in the engine's process",
+            refill=refill,
+        )
 
 
 class SharedWeightsWorker:
