@@ -80,7 +80,9 @@ CASES = [
     # puts its tied groups first (free_groups_first). Both ranks' one micro-batch holds a tied group ->
     # both split it; groups 0 and 2 tied, or 1 and 2 (second on rank 0, moved first) -> the first
     # micro-batch is free on both ranks; group 0 alone tied -> rank 1 learns there, so both run it
-    # whole. In "tied-both-split" one process learns from groups 0 and 2 in one micro-batch (padded
+    # whole; groups 0, 1 and 3 tied with one micro-batch per rank -> rank 1 splits its micro-batch,
+    # and rank 0, whose micro-batch is wholly free, runs its last group with autograd to match. In
+    # "tied-both-split" and "tied-free-meets-split" one process learns from groups 0 and 2 in one micro-batch (padded
     # alike), the ranks from each alone, so sums round in another order: gradients within 1e-5 of their
     # largest entry, but AdamW's first step, g / (|g| + eps), turned a 1e-8 difference in an entry near
     # eps into 6.9e-5 of weight (up_proj); eps=1e-4 keeps such entries from deciding the comparison.
@@ -93,6 +95,12 @@ CASES = [
     Case("tied-free-on-both", tied=(0, 2), passes=[([0, 1], False), ([2, 3], True)]),
     Case("tied-moved-first", tied=(1, 2), passes=[([2, 3], False), ([0, 1], True)]),
     Case("tied-on-one-rank", tied=(0,), passes=[([0, 1], True), ([2, 3], True)]),
+    Case(
+        "tied-free-meets-split",
+        ["rl.micro_batch_per_replica=4", "rl.optimizer.eps=1e-4"],
+        tied=(0, 1, 3),
+        passes=[([0, 1], False), ([2, 3], True)],
+    ),
     # Each rank packs its own cell (the packing probe runs through FSDP2 at the trainer's start). Its
     # micro-batches hold other sequences than one process's, so sums round in another order, and
     # AdamW's first step (g / (|g| + eps)) magnifies that in near-zero gradient entries: 2.7e-6 seen.

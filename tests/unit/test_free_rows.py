@@ -45,21 +45,42 @@ def test_one_process_runs_the_free_rows_apart() -> None:
 def test_each_micro_batch_is_a_split_a_free_one_or_neither() -> None:
     micro = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     free = torch.tensor([True, True, False, False] + [False] * 4 + [True] * 4)
-    assert pass_kinds(micro, free).tolist() == [[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]]
+    # a wholly free micro-batch can also split (its last unit rows with autograd), if it has more rows
+    assert pass_kinds(micro, free).tolist() == [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
+    assert pass_kinds(micro, free, unit=4).tolist() == [[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]]
 
 
-def test_ranks_split_a_micro_batch_only_where_every_rank_does() -> None:
-    """Two ranks, three micro-batches each: the first both split, the second is all free on one rank
-    only, the third all free on both. The minimum of their kinds is what both run."""
+def test_ranks_split_a_micro_batch_only_where_every_rank_can() -> None:
+    """Two ranks, three micro-batches each: the first both split by kind; the second is all free on
+    rank 0 and split on rank 1, so rank 0 runs its last group with autograd; the third is all free
+    on both. The minimum of their kinds is what both run."""
     micro = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     rank0 = torch.tensor([True, True, False, False] + [True] * 4 + [True] * 4)
-    rank1 = torch.tensor([False, False, True, True] + [False, False, True, True] + [True] * 4)
-    agreed = torch.minimum(pass_kinds(micro, rank0), pass_kinds(micro, rank1))
+    rank1 = torch.tensor([False, False, True, True] + [True, True, False, False] + [True] * 4)
+    agreed = torch.minimum(pass_kinds(micro, rank0, 2), pass_kinds(micro, rank1, 2))
     # the passes without autograd first, each rank its own rows
-    assert agreed_passes(micro, rank0, agreed) == [([0, 1], False), (micro[2], False), ([2, 3], True), (micro[1], True)]
-    assert agreed_passes(micro, rank1, agreed) == [([2, 3], False), (micro[2], False), ([0, 1], True), (micro[1], True)]
-    plan = [learns for _, learns in agreed_passes(micro, rank0, agreed)]  # the same sequence on both ranks
-    assert plan == [learns for _, learns in agreed_passes(micro, rank1, agreed)]
+    assert agreed_passes(micro, rank0, agreed, 2) == [
+        ([0, 1], False), ([4, 5], False), (micro[2], False), ([2, 3], True), ([6, 7], True)
+    ]  # fmt: skip
+    assert agreed_passes(micro, rank1, agreed, 2) == [
+        ([2, 3], False), ([4, 5], False), (micro[2], False), ([0, 1], True), ([6, 7], True)
+    ]  # fmt: skip
+    plan = [learns for _, learns in agreed_passes(micro, rank0, agreed, 2)]  # the same sequence on both ranks
+    assert plan == [learns for _, learns in agreed_passes(micro, rank1, agreed, 2)]
+
+
+def test_a_micro_batch_that_learns_whole_on_one_rank_runs_whole_on_every_rank() -> None:
+    micro = [[0, 1, 2, 3]]
+    learning, free = torch.zeros(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool)
+    for other in (free, torch.tensor([True, True, False, False])):
+        agreed = torch.minimum(pass_kinds(micro, learning, 2), pass_kinds(micro, other, 2))
+        assert agreed_passes(micro, other, agreed, 2) == [(micro[0], True)]
+    # one group alone cannot split, so a wholly free one-group micro-batch meets a split one whole
+    one = [[0, 1]]
+    agreed = torch.minimum(
+        pass_kinds(one, free, 2), pass_kinds([[0, 1, 2, 3]], torch.tensor([True, True, False, False]), 2)
+    )
+    assert agreed_passes(one, free, agreed, 2) == [(one[0], True)]
 
 
 def test_only_a_kl_term_keeps_a_zero_advantage_row_learning() -> None:

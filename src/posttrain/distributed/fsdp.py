@@ -199,15 +199,16 @@ class DataParallel:
             index = index * self.mesh.size(dim) + c
         return index
 
-    def passes(self, micro_batches: list[list[int]], free_B: Tensor | None) -> list[Pass]:
+    def passes(self, micro_batches: list[list[int]], free_B: Tensor | None, unit: int = 1) -> list[Pass]:
         """The mini-batch's passes, the same on every rank: FSDP's gathers and gradient reductions
         pair up across ranks, and each rank's rows tie differently. One all-reduce of each
-        micro-batch's kind decides (``distributed/passes.py``); every rank holds as
-        many micro-batches (``check_cells``)."""
+        micro-batch's kind decides (``distributed/passes.py``; ``unit``: the rows a wholly free
+        micro-batch runs with autograd to split alike); every rank holds as many micro-batches
+        (``check_cells``)."""
         if free_B is None:
             return [(rows, True) for rows in micro_batches]
-        kinds = pass_kinds(micro_batches, free_B).to(self.mesh.device_type)
-        return agreed_passes(micro_batches, free_B, self.all_reduce_(kinds, dist.ReduceOp.MIN).cpu())
+        kinds = pass_kinds(micro_batches, free_B, unit).to(self.mesh.device_type)
+        return agreed_passes(micro_batches, free_B, self.all_reduce_(kinds, dist.ReduceOp.MIN).cpu(), unit)
 
     def all_reduce_(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
         """In-place all-reduce over every rank of the mesh (one collective per mesh dimension)."""
@@ -305,9 +306,10 @@ class SingleProcess:
         """One cell: nothing to compare."""
 
     @staticmethod
-    def passes(micro_batches: list[list[int]], free_B: Tensor | None) -> list[Pass]:
+    def passes(micro_batches: list[list[int]], free_B: Tensor | None, unit: int = 1) -> list[Pass]:
         """Each micro-batch split into its free rows, run without autograd, and its rows that learn, the
-        free passes first (``distributed/passes.py``); no other rank waits on this one's passes."""
+        free passes first (``distributed/passes.py``); no other rank waits on this one's passes, so a
+        wholly free micro-batch runs whole without autograd (``unit`` is for ranks that must agree)."""
         return [(rows, True) for rows in micro_batches] if free_B is None else split_passes(micro_batches, free_B)
 
     def global_normalizer(self, norm: LossNormalizer) -> LossNormalizer:

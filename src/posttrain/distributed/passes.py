@@ -10,8 +10,11 @@ process each micro-batch then splits in two where it holds both (``split_passes`
 must run the same sequence of passes, since every forward gathers the sharded weights and every
 backward reduces gradients, collectives that pair up across ranks, while each rank's rows tie
 differently. There a micro-batch runs without autograd only where it is free on every rank, and is
-split only where every rank splits it (``pass_kinds``, reduced by minimum, then ``agreed_passes``);
-otherwise it runs whole with autograd, its free rows adding zero.
+split where every rank can split it (``pass_kinds``, reduced by minimum, then ``agreed_passes``): a
+rank whose micro-batch holds both kinds splits it by kind, and one whose micro-batch is wholly free
+runs its last ``unit`` rows (a group, where the prompt pass is shared) with autograd, where they add
+zero, so that it still meets the other ranks' backward. Otherwise (some rank's micro-batch learns
+whole) it runs whole with autograd, its free rows adding zero.
 """
 
 from __future__ import annotations
@@ -40,26 +43,32 @@ def free_first(parts: list[Pass]) -> list[Pass]:
     return [p for p in parts if not p[1]] + [p for p in parts if p[1]]
 
 
-def pass_kinds(micro_batches: list[list[int]], free_B: torch.Tensor) -> torch.Tensor:
-    """Per micro-batch (float, shape ``[M, 2]``): 1.0 where it has rows that learn and free rows, 1.0 where
+def pass_kinds(micro_batches: list[list[int]], free_B: torch.Tensor, unit: int = 1) -> torch.Tensor:
+    """Per micro-batch (float, shape ``[M, 2]``): 1.0 where this rank can split it into a pass without
+    autograd and one with (it has free rows, and rows that learn or more than ``unit`` rows), 1.0 where
     every row is free. Their minimum over ranks is what every rank may do (``agreed_passes``)."""
     flags = free_B.tolist()
     kinds = []
     for rows in micro_batches:
         free = sum(flags[i] for i in rows)
-        kinds.append([float(0 < free < len(rows)), float(free == len(rows))])
+        kinds.append([float(free > 0 and (free < len(rows) or len(rows) > unit)), float(free == len(rows))])
     return torch.tensor(kinds, dtype=torch.float32).reshape(len(micro_batches), 2)
 
 
-def agreed_passes(micro_batches: list[list[int]], free_B: torch.Tensor, agreed_kinds: torch.Tensor) -> list[Pass]:
+def agreed_passes(
+    micro_batches: list[list[int]], free_B: torch.Tensor, agreed_kinds: torch.Tensor, unit: int = 1
+) -> list[Pass]:
     """The passes every rank runs alike, from ``pass_kinds``'s minimum over the ranks: a micro-batch
-    free on every rank runs without autograd; one that every rank splits is split; any other runs
-    whole with autograd (its free rows add zero to the gradient, as before the split existed). The
-    passes without autograd come first (``free_first``)."""
-    parts: list[Pass] = []
+    free on every rank runs without autograd; one that every rank can split is split (by kind, or,
+    where it is wholly free on this rank, its last ``unit`` rows with autograd, adding zero); any
+    other runs whole with autograd (its free rows add zero to the gradient). The passes without
+    autograd come first (``free_first``)."""
+    flags, parts = free_B.tolist(), []
     for rows, (split, all_free) in zip(micro_batches, agreed_kinds.tolist(), strict=True):
         if all_free:
             parts.append((rows, False))
+        elif split and all(flags[i] for i in rows):
+            parts += [(rows[:-unit], False), (rows[-unit:], True)]
         elif split:
             parts += split_passes([rows], free_B)
         else:

@@ -9,7 +9,7 @@ the step's stats (the clip fraction's and the logprob gap's denominators, the ga
 and in the global normaliser, which the trainer computes from the whole mini-batch anyway. So the
 trainer runs such rows in a forward without autograd, in a pass of their own, and the backward
 covers only the rows that learn (``distributed/passes.py``: in one process every micro-batch is
-split; across FSDP ranks, which must all run the same passes, only where every rank agrees).
+split; across FSDP ranks, which must all run the same passes, only where every rank can split it).
 On the default CPU job 60 % of the groups tie over the 60 steps, and a backward costs about twice
 its forward (docs/benchmarks.md, "Issue 18, seventeenth session").
 

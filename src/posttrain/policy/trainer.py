@@ -191,8 +191,11 @@ class PolicyTrainer:
 
     def _passes(self, batch: TrainBatch, mini: list[int]) -> list[tuple[list[int], bool]]:
         """A mini-batch's passes, ``(rows, learns)``: its micro-batches, each split into the rows that
-        learn and the free rows (no autograd) where every policy rank can (``dp.passes``)."""
-        return self.dp.passes(self._micro_batches(batch, mini), self._free_B)
+        learn and the free rows (no autograd) where every policy rank can (``dp.passes``; a rank
+        whose micro-batch is wholly free splits it by a whole group where the prompt pass is shared)."""
+        size = self.cfg.rl.micro_batch_per_replica or len(mini)
+        unit = batch.group_size if self._shares_prefix(batch, size, mini) else 1
+        return self.dp.passes(self._micro_batches(batch, mini), self._free_B, unit)
 
     def _model_batch(self, batch: TrainBatch, rows: list[int]) -> PolicyBatch | GroupedBatch:
         g = batch.group_size
