@@ -19,6 +19,9 @@ that refuses the stand-in) leaves no plan, and the engine keeps the loaders; buf
 wrote are put back. The plan is then checked once against
 a real load by those same loaders, which also catches anything a row probe cannot see (a transform
 within rows): every destination must hold exactly what the loaders wrote.
+
+``WeightWriter`` keeps, from one sync to the next, which way a transfer is written (the plan, the
+loaders, or vLLM's reload), for the in-process engine and for an engine core's worker alike.
 """
 
 from __future__ import annotations

@@ -194,10 +194,10 @@ class VLLMRolloutEngine:
                 "earlier in this process; start the run in a fresh process"
             )
         self._shared = SharedWeightsSender(self._llm) if separate_process else None
-        # a plain dense model on CUDA takes the weights in place (rollout/vllm_weight_load.py)
-        self._writer = WeightWriter(
-            in_place=self._shared is None and all(self._llm.apply_model(functools.partial(loads_in_place, cuda=cuda)))
-        )  # and the copy plan it learns at the first in-place load (vllm_copy_plan.py)
+        # a plain dense model on CUDA takes the weights in place (rollout/vllm_weight_load.py), then by
+        # the copy plan the writer learns at the first such load (vllm_copy_plan.py)
+        in_place = self._shared is None and all(self._llm.apply_model(functools.partial(loads_in_place, cuda=cuda)))
+        self._writer = WeightWriter(in_place=in_place)
         # a seeded call: the engine's generators seeded once (call_seeds), or a seed per prompt
         workers = self._llm.llm_engine.vllm_config.parallel_config.world_size  # vLLM's TP x PP
         self.seeding = engine_seeding(call_seeds, separate_process=separate_process, vllm_workers=workers)
