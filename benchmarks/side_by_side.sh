@@ -69,7 +69,7 @@
 #   smallreq the small job's rollout requests: unseeded (rollout.seed=null: no per-request generator in vLLM's
 #          sampler) and without sampler logprobs (rollout.sampler_logprobs_every=0); W's fifth-session arms did
 #          not separate above its noise, the small step's 16-token rollout is not measured that way
-#   lease19  W as shipped, TRL on W, the small job as shipped (one call); lease19c one-step off-policy W with
+#   lease19  W as shipped, TRL on W, the small job as shipped (one call; lease19s: the same, TRL last); lease19c one-step off-policy W with
 #          the update graphed in-process, then tests/gpu/test_vllm_gpu.py (hostcosts is the call between)
 #   table  the tables from /tmp/sbs
 #
@@ -535,6 +535,18 @@ case "${1:-}" in
     trl w 150 /tmp/m05 32,8,256
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
     small_job small_shipped 170
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  lease19s)
+    # lease19 in the order a short lease wants: W as shipped, the small job, then TRL on W (results
+    # packed after each, so a call cut off at its limit still returns what finished)
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    step w_flat 200 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/flat" --arms "shipped:steps=5"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    small_job small_shipped 150
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    trl w 150 /tmp/m05 32,8,256
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   lease19c)
     # its third: one-step off-policy W with the update graphed in-process, then the vLLM GPU test (the
