@@ -109,6 +109,21 @@ CASES = [
         ["rl.loss_type=token-mean", "model.share_prompt_prefix=false", "model.sequence_packing=true"],
         param_atol=1e-5,
     ),
+    # packed with tied groups 1 and 3: each rank's free group fills its first micro-batch
+    # (packed_free_first), so both run it without autograd; in packing's own split by length each
+    # micro-batch would hold rows of both kinds on some rank (eps as in the other split cases)
+    Case(
+        "tied-packed",
+        [
+            "rl.loss_type=token-mean",
+            "model.share_prompt_prefix=false",
+            "model.sequence_packing=true",
+            "rl.optimizer.eps=1e-4",
+        ],
+        param_atol=1e-5,
+        tied=(1, 3),
+        passes=[([2, 3], False), ([0, 1], True)],
+    ),
 ]
 
 

@@ -336,6 +336,7 @@ def _update(model_dir: str, overrides: list[str], *, split: bool = True, objecti
         ["model.share_prompt_prefix=false"],
         ["model.share_prompt_prefix=true"],
         ["model.share_prompt_prefix=false", "rl.micro_batch_per_replica=8"],
+        ["model.share_prompt_prefix=false", "model.sequence_packing=true", "rl.micro_batch_per_replica=8"],
         [
             "model.share_prompt_prefix=false",
             "rl.loss_type=seq-mean-token-mean",
@@ -348,9 +349,14 @@ def test_tied_groups_skip_the_backward_and_leave_the_update_as_it_was(
 ) -> None:
     plain, plain_metrics, plain_forwards = _update(tiny_model_dir, overrides, split=False)
     split, metrics, forwards = _update(tiny_model_dir, overrides)
+    packed = "model.sequence_packing=true" in overrides
+    if packed:  # the packing probe's two forwards at construction (check_packing_isolates)
+        plain_forwards, forwards = plain_forwards[2:], forwards[2:]
     assert all(grad for _, grad in plain_forwards)
     assert any(not grad for _, grad in forwards)  # the tied groups went through a forward without autograd
-    if "model.share_prompt_prefix=false" in overrides:  # one body forward per pass: its rows are the pass's
+    if packed:  # the two tied groups fill the first micro-batch (packed_free_first), without autograd
+        assert [grad for _, grad in forwards] == [False, True]
+    elif "model.share_prompt_prefix=false" in overrides:  # one body forward per pass: its rows are the pass's
         assert sum(rows for rows, grad in forwards if not grad) == 8  # the two tied groups
         assert sum(rows for rows, grad in forwards if grad) == 8
     for a, b in zip(plain, split):

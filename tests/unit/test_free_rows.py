@@ -9,7 +9,8 @@ import torch
 from posttrain.algorithm.loss_types import ObjectiveSpec
 from posttrain.distributed.fsdp import SingleProcess
 from posttrain.distributed.passes import agreed_passes, pass_kinds
-from posttrain.policy.free_rows import free_groups_first, free_rows
+from posttrain.policy.batching import packed_micro_batches
+from posttrain.policy.free_rows import free_groups_first, free_rows, packed_free_first
 from posttrain.policy.objective import spec_objective
 from posttrain.policy.train_batch import TokenAdvantages
 
@@ -33,6 +34,22 @@ def test_free_groups_go_first_whole_and_in_order() -> None:
     # a group counts as free only whole: rows 8-9 have one free row, so they stay with the learning ones
     assert free_groups_first([4, 5, 8, 9, 6, 7], free, 2) == [6, 7, 4, 5, 8, 9]
     assert free_groups_first([0, 1, 2, 3], [False] * 4, 2) == [0, 1, 2, 3]
+
+
+def test_packing_puts_whole_micro_batches_of_free_rows_first() -> None:
+    rows = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    lengths = [5, 9, 3, 7, 2, 8, 6, 4, 1, 10]
+    free = [False] * 10 + [True, False, True, True, False, True, True, False, True, False]
+    micro = packed_free_first(rows, lengths, free, 3)
+    # as many micro-batches as packing cuts without free rows (ceil(10 / 3)), every row once
+    assert len(micro) == len(packed_micro_batches(lengths, 3)) == 4
+    assert sorted(r for m in micro for r in m) == rows
+    # six free rows fill two micro-batches, which come first; the rest hold no free row
+    assert all(free[r] for m in micro[:2] for r in m) and len(micro[0]) + len(micro[1]) == 6
+    assert not any(free[r] for m in micro[2:] for r in m)
+    # fewer free rows than a micro-batch: packing's own split
+    few = [False] * 10 + [True] + [False] * 9
+    assert packed_free_first(rows, lengths, few, 3) == [[rows[j] for j in m] for m in packed_micro_batches(lengths, 3)]
 
 
 def test_one_process_runs_the_free_rows_apart() -> None:

@@ -4,8 +4,8 @@ The trainer marks the rows that cannot move the weights (``policy/free_rows.py``
 with all-zero advantages under an objective whose only gradient is the advantage-weighted
 surrogate). Their forward still runs, for the step's metrics, but without autograd, and the
 backward covers only the rows that learn. The trainer cuts its micro-batches with the free groups
-first (``free_groups_first``), so all but at most one are wholly free or wholly learning (not under
-``model.sequence_packing``, whose cells follow the lengths). In one
+first (``free_groups_first``; ``packed_free_first`` under ``model.sequence_packing``, whose
+micro-batches after the wholly free ones follow the lengths, so more than one may hold both). In one
 process each micro-batch then splits in two where it holds both (``split_passes``). FSDP's ranks
 must run the same sequence of passes, since every forward gathers the sharded weights and every
 backward reduces gradients, collectives that pair up across ranks, while each rank's rows tie

@@ -8,8 +8,10 @@ whatever its logprobs, clip or importance weight. The update still reads it: its
 the step's stats (the clip fraction's and the logprob gap's denominators, the gap and KL metrics)
 and in the global normaliser, which the trainer computes from the whole mini-batch anyway. So the
 trainer runs such rows in a forward without autograd, in a pass of their own, and the backward
-covers only the rows that learn (``distributed/passes.py``: in one process every micro-batch is
-split; across FSDP ranks, which must all run the same passes, only where every rank can split it).
+covers only the rows that learn. Its micro-batches are cut with the free groups first
+(``free_groups_first``; ``packed_free_first`` under ``model.sequence_packing``), and each is split
+by kind (``distributed/passes.py``: in one process every micro-batch; across FSDP ranks, which must
+all run the same passes, only where every rank can split it).
 On the default CPU job 60 % of the groups tie over the 60 steps, and a backward costs about twice
 its forward (docs/benchmarks.md, "Issue 18, seventeenth session").
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.policy.batching import packed_micro_batches
 from posttrain.policy.train_batch import TokenAdvantages
 
 
@@ -48,3 +51,20 @@ def free_groups_first(rows: list[int], free: list[bool], group_size: int) -> lis
     return [i for group, t in zip(groups, tied, strict=True) if t for i in group] + [
         i for group, t in zip(groups, tied, strict=True) if not t for i in group
     ]
+
+
+def packed_free_first(rows: list[int], lengths: list[int], free: list[bool], size: int) -> list[list[int]]:
+    """``rows``' micro-batches for ``model.sequence_packing`` (``lengths[j]`` is ``rows[j]``'s), as many
+    as ``packed_micro_batches`` cuts (``ceil(len / size)``, the same on every FSDP rank), with
+    ``free_groups_first``'s aim: as many wholly free micro-batches as the free rows fill (each packing
+    what it holds), first, then the rest packed as before, with the free rows left over. Without a
+    full micro-batch of free rows it is ``packed_micro_batches`` itself."""
+    free_at = [j for j, row in enumerate(rows) if free[row]]
+    whole = len(free_at) // size * size
+    head, head_set = free_at[:whole], set(free_at[:whole])
+    tail = [j for j in range(len(rows)) if j not in head_set]
+
+    def packed(part: list[int]) -> list[list[int]]:
+        return [[rows[part[k]] for k in micro] for micro in packed_micro_batches([lengths[j] for j in part], size)]
+
+    return (packed(head) if head else []) + (packed(tail) if tail else [])
