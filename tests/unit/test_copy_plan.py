@@ -19,7 +19,7 @@ from torch import nn
 
 from posttrain.rollout.vllm_copy_plan import CopyPlan, WeightWriter, checked_copy_plan, learn_copy_plan
 from posttrain.rollout.vllm_engine import VLLMRolloutEngine
-from posttrain.rollout.vllm_shared_weights import ViewSync
+from posttrain.rollout.vllm_shared_weights import SharedWeightsSender, ViewSync
 
 VOCAB, PADDED, D, Q, KV, FF = 10, 12, 4, 4, 2, 6
 STACKED = {"q": ("qkv", 0), "k": ("qkv", Q), "v": ("qkv", Q + KV), "gate": ("gate_up", 0), "up": ("gate_up", FF)}
@@ -263,3 +263,23 @@ def test_the_engine_process_keeps_the_loaders_where_no_plan_passes_and_reloads_o
     plain = ViewSync(transfer(0), in_place=False)  # vLLM's CPU build, or a model that is not plain
     assert [plain.sync(cpu, lambda: reloads.append(1))[0] for _ in range(2)] == ["reload", "reload"]
     assert cpu.loads == 0 and reloads == [1, 1]
+
+
+def test_the_sender_logs_a_workers_note_once_as_it_comes_through_vllms_msgpack(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An engine core's reply crosses vLLM's msgpack (``vllm.v1.serial_utils``, built on msgspec), which
+    gives the worker's tuples back as lists: on one H100 (2026-12-05) the first path change's note made
+    the sender fail (unhashable type: 'list') and the sync with it."""
+    msgpack = pytest.importorskip("msgspec").msgpack
+    outcome = ViewSync(transfer(0), in_place=True).sync(Stacked(), lambda: None)  # the loaders, and a note
+    wire = msgpack.decode(msgpack.encode([outcome, outcome]))  # two workers' replies
+    assert wire[0][1] == list(outcome[1])  # lists, not tuples
+
+    class EngineCore:  # the RPC boundary only: what collective_rpc hands back
+        def collective_rpc(self, method: str, args: tuple[Any, ...]) -> Any:
+            return wire if method == "posttrain_reload_shared" else [None, None]
+
+    with caplog.at_level(logging.INFO):
+        assert SharedWeightsSender(EngineCore()).push(transfer(1)) == ["loaders", "loaders"]
+    assert caplog.text.count("one foreach copy of 8") == 1

@@ -96,7 +96,8 @@ class SharedWeightsSender:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the worker reads on its own stream, in its own process
         outcomes: list[SyncOutcome] = self.llm.collective_rpc("posttrain_reload_shared", args=(refill,))
-        for note in dict.fromkeys(note for _, note in outcomes if note is not None):  # once, not per worker
+        # an engine core's reply crosses vLLM's msgpack, which gives the worker's tuples back as lists
+        for note in dict.fromkeys(tuple(note) for _, note in outcomes if note is not None):  # once, not per worker
             _log.log(*note)
         self.last_paths = [path for path, _ in outcomes]
         return self.last_paths
