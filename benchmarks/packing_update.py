@@ -1,7 +1,7 @@
 """Sequence packing against padding in the policy update, on a batch whose lengths vary.
 
     python benchmarks/packing_update.py [--prompts 4] [--samples 4] [--max-completion 96]
-                                        [--repeats 2] [--out benchmarks/results/packing_cpu.json]
+                                        [--repeats 2] [--tied-groups 0] [--out benchmarks/results/packing_cpu.json]
 
 Builds a random-weight model of SmolLM2-135M's shape in memory (``profile_update.make_model``: fp32
 on a CPU, bf16 on a GPU) and a synthetic collected batch: prompts of 20-60 tokens, completions of
@@ -12,6 +12,8 @@ draw from 4 to the cap, and one in eight at the cap). Then times ``PolicyTrainer
 quarter of it (split as the trainer splits: runs by length, or with packing whichever split packs
 into fewer cells). Prints, per variant, the token cells the model computed (rows x width, summed
 over micro-batches) next to the real tokens, and the median time after one warm-up.
+``--tied-groups N`` gives every other group, up to N of them, all-zero advantages (rows that learn
+nothing, ``policy/free_rows.py``), so the passes without autograd are timed too.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def completion_lengths(count: int, cap: int, gen: torch.Generator) -> list[int]:
     ]
 
 
-def make_batch(prompts: int, samples: int, cap: int) -> Any:
+def make_batch(prompts: int, samples: int, cap: int, tied_groups: int = 0) -> Any:
     from posttrain.policy.trainer import TrainBatch
 
     g = torch.Generator().manual_seed(0)
@@ -47,10 +49,13 @@ def make_batch(prompts: int, samples: int, cap: int) -> Any:
     ]
     lengths = completion_lengths(prompts * samples, cap, g)
     completions = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in lengths]
+    advantages_B = torch.randn(prompts * samples, generator=g)
+    for group in [*range(0, prompts, 2), *range(1, prompts, 2)][:tied_groups]:  # spread, as rewards tie
+        advantages_B[group * samples : (group + 1) * samples] = 0.0
     return TrainBatch(
         prompt_ids=[prompt_ids[i // samples] for i in range(prompts * samples)],
         completion_ids=completions,
-        advantages_B=torch.randn(prompts * samples, generator=g),
+        advantages_B=advantages_B,
         in_loss_B=torch.ones(prompts * samples, dtype=torch.bool),
         sampler_logprobs=[[-10.0] * n for n in lengths],
         group_size=samples,
@@ -97,6 +102,11 @@ def run_variant(model: Any, batch: Any, *, micro: int, pack: bool, repeats: int)
         "micro_batch": micro,
         "packed": pack,
         "computed_cells": computed_cells(trainer, batch),
+        "passes": [
+            learns
+            for mini in trainer._mini_batches(len(batch.completion_ids))
+            for _, learns in trainer._passes(batch, mini)
+        ],
         "median_s": statistics.median(times),
         "times_s": times,
     }
@@ -108,16 +118,17 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-completion", type=int, default=96)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--tied-groups", type=int, default=0)
     p.add_argument("--out", default=None)
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = make_model("135m", device.type)
-    batch = make_batch(a.prompts, a.samples, a.max_completion)
+    batch = make_batch(a.prompts, a.samples, a.max_completion, a.tied_groups)
     real = sum(len(pr) + len(c) for pr, c in zip(batch.prompt_ids, batch.completion_ids))
     rows = len(batch.completion_ids)
     print(f"{rows} sequences, {real} real tokens, completions {sorted(len(c) for c in batch.completion_ids)}")
-    print("| micro-batch | layout | computed cells | padding | train_on median |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| micro-batch | layout | computed cells | padding | passes (with autograd?) | train_on median |")
+    print("| --- | --- | --- | --- | --- | --- |")
     results = []
     for micro in (rows, max(1, rows // 4)):
         for pack in (False, True):
@@ -126,7 +137,8 @@ def main() -> None:
             results.append(r)
             layout = "packed" if pack else "padded"
             print(
-                f"| {micro} | {layout} | {r['computed_cells']} | {r['padding_frac']:.0%} | {r['median_s']:.2f} s |",
+                f"| {micro} | {layout} | {r['computed_cells']} | {r['padding_frac']:.0%} | "
+                f"{''.join('L' if learns else 'f' for learns in r['passes'])} | {r['median_s']:.2f} s |",
                 flush=True,
             )
     if a.out:
@@ -135,6 +147,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "sequences": rows,
+            "tied_groups": a.tied_groups,
             "real_tokens": real,
             "completion_lengths": [len(c) for c in batch.completion_ids],
         }
