@@ -97,8 +97,9 @@ class SharedWeightsSender:
             torch.cuda.synchronize(device)  # the worker reads on its own stream, in its own process
         outcomes: list[SyncOutcome] = self.llm.collective_rpc("posttrain_reload_shared", args=(refill,))
         # an engine core's reply crosses vLLM's msgpack, which gives the worker's tuples back as lists
-        for note in dict.fromkeys(tuple(note) for _, note in outcomes if note is not None):  # once, not per worker
-            _log.log(*note)
+        notes = dict.fromkeys((int(note[0]), str(note[1])) for _, note in outcomes if note is not None)
+        for level, text in notes:  # once, not per worker
+            _log.log(level, text)
         self.last_paths = [path for path, _ in outcomes]
         return self.last_paths
 
