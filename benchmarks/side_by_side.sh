@@ -69,8 +69,10 @@
 #   smallreq the small job's rollout requests: unseeded (rollout.seed=null: no per-request generator in vLLM's
 #          sampler) and without sampler logprobs (rollout.sampler_logprobs_every=0); W's fifth-session arms did
 #          not separate above its noise, the small step's 16-token rollout is not measured that way
-#   lease19  W as shipped, TRL on W, the small job as shipped (one call; lease19s: the same, TRL last); lease19c one-step off-policy W with
-#          the update graphed in-process, then tests/gpu/test_vllm_gpu.py (hostcosts is the call between)
+#   lease19s W as shipped, the small job as shipped, TRL on W (one call); lease19c one-step off-policy W with
+#          the update graphed in-process, then tests/gpu/test_vllm_gpu.py; lease20t TRL's small task, then
+#          tests/gpu/test_engine_apart_gpu.py (all three ran on one H100 on 2026-12-05, kind=nvidia-h100-x1
+#          when no H200 came)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -525,20 +527,10 @@ case "${1:-}" in
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
     small_job small_nologprobs 190 rollout.sampler_logprobs_every=0
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
-  lease19)
-    # the nineteenth session's first call: W as shipped and TRL on W in the same lease, then the small job
-    environment
-    device_info
-    model 0.5b /tmp/m05
-    step w_flat 200 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/flat" --arms "shipped:steps=5"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
-    trl w 150 /tmp/m05 32,8,256
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
-    small_job small_shipped 170
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   lease19s)
-    # lease19 in the order a short lease wants: W as shipped, the small job, then TRL on W (results
-    # packed after each, so a call cut off at its limit still returns what finished)
+    # W as shipped, the small job as shipped, then TRL on W, in the order a short lease wants (results
+    # packed after each, so a call cut off at its limit still returns what finished); run 2026-12-05
+    # on one H100 (docs/benchmarks.md, twentieth session)
     environment
     device_info
     model 0.5b /tmp/m05
@@ -560,6 +552,16 @@ case "${1:-}" in
     POSTTRAIN_GPU_TEST_REPORT=$R/tests/vllm_gpu.json timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
       tests/gpu/test_vllm_gpu.py >"$R/tests/vllm_gpu.log" 2>&1
     echo "vllm_gpu rc=$?"; tail -2 "$R/tests/vllm_gpu.log" | cut -c1-300
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  lease20t)
+    # TRL's GRPOTrainer on the small task (the small job's converted SmolLM2, so after lease19s on the
+    # same machine), then the engine core apart's GPU test (the twentieth session's third call)
+    environment
+    trl_small
+    mkdir -p "$R/tests"
+    POSTTRAIN_GPU_TEST_REPORT=$R/tests/engine_apart_gpu.json timeout 170 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
+      tests/gpu/test_engine_apart_gpu.py >"$R/tests/engine_apart_gpu.log" 2>&1
+    echo "engine_apart_gpu rc=$?"; grep -E "passed|failed|^E " "$R/tests/engine_apart_gpu.log" | tail -8 | cut -c1-300
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
