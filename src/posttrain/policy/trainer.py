@@ -25,7 +25,7 @@ from posttrain.models.cuda_graphs import graphed_body_for
 from posttrain.models.fused_kernels import apply_fused_kernels, fusable, fused_kernels_choice
 from posttrain.models.precision import compute_weights, dtype_name, resolve_precision
 from posttrain.models.structure import compile_layers, split_body_and_head
-from posttrain.policy.batching import PolicyBatch, build_policy_batch, packed_micro_batches
+from posttrain.policy.batching import PolicyBatch, build_policy_batch
 from posttrain.policy.free_rows import free_groups_first, free_rows, packed_free_first
 from posttrain.policy.images import (
     SHARED_PROMPT_REFUSAL,
@@ -177,10 +177,8 @@ class PolicyTrainer:
             order = mini if free is None else free_groups_first(mini, free, batch.group_size)
             return [order[i : i + size] for i in range(0, len(order), size)]
         lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in mini]
-        if self.cfg.model.sequence_packing:
-            if free is not None:
-                return packed_free_first(mini, lengths, free, size)
-            return [[mini[j] for j in micro] for micro in packed_micro_batches(lengths, size)]
+        if self.cfg.model.sequence_packing:  # with no free rows: packing's own split
+            return packed_free_first(mini, lengths, free or [False] * len(batch.completion_ids), size)
         by_len = sorted(range(len(mini)), key=lambda j: (free is None or not free[mini[j]], lengths[j]))
         return [[mini[j] for j in by_len[i : i + size]] for i in range(0, len(by_len), size)]
 
