@@ -67,4 +67,4 @@ def packed_free_first(rows: list[int], lengths: list[int], free: list[bool], siz
     def packed(part: list[int]) -> list[list[int]]:
         return [[rows[part[k]] for k in micro] for micro in packed_micro_batches([lengths[j] for j in part], size)]
 
-    return (packed(head) if head else []) + (packed(tail) if tail else [])
+    return packed(head) + packed(tail)  # an empty part packs into no micro-batch
