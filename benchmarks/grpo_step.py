@@ -495,8 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sampler-logprobs-samples",
         type=lambda v: None if v in ("none", "null") else int(v),
-        default=None,
-        help="rollout.sampler_logprobs_samples (default: every sample records)",
+        default="auto",
+        help="rollout.sampler_logprobs_samples (null: every sample records; default auto, as a run resolves it: "
+        "1, or every sample under --off-policy, whose loss reads them)",
     )
     p.add_argument(
         "--arms",
@@ -514,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--trl-mode", default="vllm", choices=["vllm", "hf", "hf_bf16"], help="TRL's generation path")
     args = p.parse_args(argv)
+    if args.sampler_logprobs_samples == "auto":
+        args.sampler_logprobs_samples = None if args.off_policy else 1
     if args.off_policy and args.engine != "vllm":
         p.error("--off-policy needs --engine vllm (the transformers engine samples with the trained module)")
     if args.trl and not args.out:

@@ -7,7 +7,7 @@ OURS: written by ``benchmarks/grpo_step.py --out`` (or one arm's file of ``--arm
 written by ``../shared/peers/trl_grpo_gpu_step.py`` (``$OUT/trl_<mode>.json``). Medians of steps 2 on
 for ours, TRL's own median of its steps 2-4. ``--dir`` reads what ``benchmarks/side_by_side.sh`` leaves
 there: ``w/*.json`` (workload W's arms and the growth arms), ``w_offpolicy.json``, ``w15.json``,
-``w135.json``, ``w3b.json``, ``p128_seqs512.json``, ``trl_*.json``, ``small.metrics.jsonl`` and ``trl_small.log``;
+``w135.json``, ``w3b.json``, ``p128_seqs512.json``, ``trl_*.json``, ``small*.metrics.jsonl`` and ``trl_small.log``;
 and the seventeenth session's ``hostcosts`` parts: ``flat_logprobs.json``, ``flat/*.json``,
 ``w_offpolicy_plan.json`` and ``w_offpolicy_graphs.json``.
 """
@@ -120,16 +120,16 @@ def small_table(r: Path) -> str:
     """The default recipe's small step: ours (metrics.jsonl timers, medians of steps 2 on) and TRL's
     (per-step times from its TRLLEARN history)."""
     out = ["| run | step (median, steps 2 on) | rollout | train | weight sync |", "| --- | --- | --- | --- | --- |"]
-    metrics = r / "small.metrics.jsonl"
-    if metrics.exists():
+    for metrics in sorted(r.glob("small*.metrics.jsonl")):  # small (older parts), small_shipped, small_compiled, ...
         recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()][1:]
-
-        def med(key: str) -> float:
-            return statistics.median(x[key] for x in recs if key in x)
-
+        step, rollout, train, sync = (
+            statistics.median(x[key] for x in recs if key in x)
+            for key in ("timer/e2e_step_s", "timer/rollout_s", "timer/train_s", "timer/weight_sync_s")
+        )
+        name = metrics.name.removesuffix(".metrics.jsonl")
         out.append(
-            f"| posttrain default recipe, vLLM | {med('timer/e2e_step_s'):.3f} s | {med('timer/rollout_s'):.3f} s | "
-            f"{med('timer/train_s'):.3f} s | {med('timer/weight_sync_s'):.3f} s |"
+            f"| posttrain default recipe, vLLM ({name}) | {step:.3f} s | {rollout:.3f} s | {train:.3f} s "
+            f"| {sync:.3f} s |"
         )
     log = r / "trl_small.log"
     if log.exists():
@@ -157,7 +157,9 @@ def host_costs_table(r: Path) -> str:
     runs = sorted((r / "flat").glob("*.json")) if (r / "flat").exists() else []
     runs += [p for p in (r / f"{n}.json" for n in ("w_offpolicy_plan", "w_offpolicy_graphs")) if p.exists()]
     if runs:
-        parts.append("\n".join([HEADER, *(ours_row(p) for p in runs)]))
+        trl_w = r / "trl_w.json"  # TRL on W in the same lease (lease19s), when the W table above is absent
+        trl = [trl_row(trl_w, "TRL 1.16, vLLM colocated 0.3")] if trl_w.exists() and not (r / "w").exists() else []
+        parts.append("\n".join([HEADER, *(ours_row(p) for p in runs), *trl]))
     return "\n\n".join(parts)
 
 

@@ -563,6 +563,14 @@ case "${1:-}" in
       tests/gpu/test_engine_apart_gpu.py >"$R/tests/engine_apart_gpu.log" 2>&1
     echo "engine_apart_gpu rc=$?"; grep -E "passed|failed|^E " "$R/tests/engine_apart_gpu.log" | tail -8 | cut -c1-300
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  lease21s)
+    # the small job as shipped, then TRL's GRPOTrainer on the same task (its converted SmolLM2), one call
+    environment
+    device_info
+    small_job small_shipped 150
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    trl_small
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)

@@ -12,8 +12,9 @@ workload W (docs/benchmarks.md), the host's per-token work decides the call's ti
 
 Arms, interleaved, the median of ``--reps`` after a warm-up: rollout without logprobs (a seed per
 prompt, as posttrain sends them, and unseeded), with dict logprobs (+ the reading posttrain did
-before: the sampled id's entry per token), with flat logprobs (+ ``completion_of``); teacher
-scoring (``prompt_logprobs=K``, ``--teacher-k``) with dict entries (+ the rank sort posttrain did
+before: the sampled id's entry per token), with flat logprobs (+ ``completion_of``), with flat
+logprobs for each group's first sample only (``rollout.sampler_logprobs_samples=1``'s two requests
+per prompt); teacher scoring (``prompt_logprobs=K``, ``--teacher-k``) with dict entries (+ the rank sort posttrain did
 before) and flat ones (+ ``_flat_scores``). Each reports the wall time, the process's CPU time, and
 the garbage collector's passes and time during the call (``gc.callbacks``).
 """
@@ -132,6 +133,7 @@ def main() -> None:
     p.add_argument("--model-dir", default="/tmp/posttrain_flat_logprobs_model", help="where the tiny model is built")
     p.add_argument("--model", default=None, help="an HF model directory instead of the tiny model (W's on a GPU)")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--only", default=None, help="run only the arms whose name starts with this (e.g. 'rollout, ')")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # posttrain's default: engine core in-process
@@ -165,6 +167,17 @@ def main() -> None:
         params = [SamplingParams(seed=i if seeded else None, **kw) for i in range(a.prompts)]
         return llm.generate(prompts, params, use_tqdm=False)
 
+    def rollout_first_records() -> list[Any]:
+        """As ``rollout.sampler_logprobs_samples=1`` sends them (``vllm_requests.call_requests``): each
+        prompt's group as two requests, its first sample with flat logprobs, the others without."""
+        kw: dict[str, Any] = dict(max_tokens=a.tokens, min_tokens=a.tokens, temperature=1.0, detokenize=False)
+        kw |= dict(ignore_eos=True)
+        params = []
+        for i in range(a.prompts):
+            params += [SamplingParams(n=1, seed=i, logprobs=0, flat_logprobs=True, **kw)]
+            params += [SamplingParams(n=a.samples - 1, seed=i + 1, **kw)]
+        return llm.generate([p for p in prompts for _ in range(2)], params, use_tqdm=False)
+
     def read_rollout(outputs: list[Any], k: int = 0) -> int:
         return sum(len(completion_of(0, s, k, True).logprobs or []) for out in outputs for s in out.outputs)
 
@@ -186,6 +199,14 @@ def main() -> None:
         "rollout, no logprobs, unseeded": lambda: (rollout("none", seeded=False), lambda outs: 0),
         "rollout, dict logprobs (before)": lambda: (rollout("dict"), read_dicts_before),
         "rollout, flat logprobs (now)": lambda: (rollout("flat"), read_rollout),
+        "rollout, flat logprobs, first sample only": lambda: (
+            rollout_first_records(),
+            lambda outs: sum(  # the outputs alternate: a prompt's recording request, then its other one
+                len(completion_of(0, s, 0, j % 2 == 0).logprobs or [])
+                for j, out in enumerate(outs)
+                for s in out.outputs
+            ),
+        ),
         f"rollout, head of {a.head_k}, dicts (before)": lambda: (
             rollout("dict", a.head_k),
             lambda outs: read_dicts_before(outs, a.head_k),
@@ -200,6 +221,8 @@ def main() -> None:
         ),
         f"teacher, prompt_logprobs={a.teacher_k}, flat (now)": lambda: (teacher(True), read_teacher),
     }
+    if a.only:
+        arms = {name: arm for name, arm in arms.items() if name.startswith(a.only)}
     medians, samples = run_arms(arms, a.reps)
     if a.out:
         import vllm

@@ -18,6 +18,7 @@ from posttrain.config.opd import OPDConfig
 from posttrain.config.schema import GRPOConfig
 from posttrain.entrypoints.opd import main as opd_main
 from posttrain.errors import ConfigError
+from posttrain.loop.collect import sampling_params
 from posttrain.preflight.grpo import grpo_preflight
 
 DPCA = [
@@ -95,6 +96,42 @@ def test_opd_advantage_mode_needs_sampler_logprobs_of_every_sample(
     assert "reads the student's rollout logprobs" not in _opd_report(
         capsys, model, *mode, "rollout.sampler_logprobs_samples=1"
     )
+
+
+@pytest.mark.parametrize(
+    ("config_type", "overrides", "resolved"),
+    [
+        (GRPOConfig, [], 1),  # the default GRPO loss reads none of them: each group's first sample records
+        (GRPOConfig, ["rl.use_rollout_logprobs_for_loss=true"], None),
+        (GRPOConfig, ["rl.score_centering.enabled=true"], None),
+        (GRPOConfig, ["rl.use_rollout_logprobs_for_loss=true", "rollout.sampler_logprobs_samples=null"], None),
+        (GRPOConfig, ["rollout.sampler_logprobs_samples=3"], 3),
+        (GRPOConfig, ["rollout.sampler_logprobs_samples=null"], None),
+        (OPDConfig, [], 1),  # direct mode reads no rollout logprobs
+        (OPDConfig, SAME_TOKEN_ADVANTAGE, None),
+        (OPDConfig, DPCA, None),
+    ],
+)
+def test_sampler_logprobs_samples_auto_records_every_sample_only_where_the_objective_reads_them(
+    config_type: type, overrides: list[str], resolved: int | None
+) -> None:
+    cfg = build_config(None, ["rollout.backend=vllm", *overrides], config_type)
+    assert cfg.sampler_logprobs_samples == resolved
+    assert sampling_params(cfg).sampler_logprobs_samples == resolved  # what the engine is asked for
+
+
+def test_sampler_logprobs_samples_below_one_is_refused_by_name() -> None:
+    (problem,) = _config_problems(["rollout.sampler_logprobs_samples=0"])
+    assert "rollout.sampler_logprobs_samples" in problem and "at least 1" in problem
+
+
+def test_auto_sampler_logprobs_samples_passes_where_the_objective_reads_every_sample(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``auto`` is never refused: a loss that reads the rollout's logprobs gets them all."""
+    assert not [e for e in _errors(["rl.use_rollout_logprobs_for_loss=true"]) if "sampler_logprobs" in e]
+    report = _opd_report(capsys, str(_model_dir(tmp_path)), *SAME_TOKEN_ADVANTAGE, "rollout.backend=vllm")
+    assert "reads the student's rollout logprobs" not in report
 
 
 def test_opd_direct_mode_does_not_need_sampler_logprobs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -123,6 +123,11 @@ class OPDRLConfig(BaseRLConfig):
     # values; remove each once shared code no longer reads it (the trainer taking its objective from
     # the recipe). The resume identity of an OPD run reads them too, so keep the values unchanged.
     @property
+    def reads_every_sampler_logprob(self) -> bool:
+        """Advantage mode (DPCA included) scores every realized token by its rollout logprob."""
+        return self.use_rollout_logprobs_for_loss or self.distillation_mode == "advantage"
+
+    @property
     def importance_sampling_level(self) -> Literal["token"]:
         """Always ``token``: OPD's advantage objective scores a token-level ratio, direct mode none."""
         return "token"

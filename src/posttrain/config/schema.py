@@ -158,12 +158,22 @@ class RolloutConfig(Section):
     docs/benchmarks.md); unrecorded, ``train/logprob_gap_*`` is absent on that step. Must be 1 when
     the loss or off-policy sampling reads them (score centering records them anyway). The
     transformers engine always records them (they are free there)."""
-    sampler_logprobs_samples: int | None = Field(None, ge=1)
+    sampler_logprobs_samples: int | Literal["auto"] | None = "auto"
     """vLLM: only the first N samples of each group record the sampler's logprobs (``null``: all);
-    ``train/logprob_gap_*`` is measured on those, the draws are unchanged. Not for a loss that reads
-    them (refused); score centering records all. No gain measured (CPU; H200: in the noise)."""
+    ``train/logprob_gap_*`` is measured on those, the draws are unchanged. ``auto``: 1 unless the
+    objective reads every completion's (``rl.use_rollout_logprobs_for_loss``, score centering, OPD's
+    advantage mode), then all. An explicit N is refused where the objective reads them. Recording all
+    made W's step 0.23-0.43 s slower on two H200s (docs/benchmarks.md)."""
     batch_size: int = Field(256, ge=1)
     """Most sequences the hf engine decodes at once."""
+
+    @field_validator("sampler_logprobs_samples")
+    @classmethod
+    def _positive_samples(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be at least 1 (null: every sample records; auto: as the objective needs)")
+        return v
+
     gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
     """GPU fraction reserved for a colocated vLLM engine."""
     tensor_parallel_size: int = Field(1, ge=1)
@@ -348,6 +358,12 @@ class BaseRLConfig(Section):
         """Prompt groups per collected batch."""
         return self.batch_per_replica // self.group_size
 
+    @property
+    def reads_every_sampler_logprob(self) -> bool:
+        """Whether the objective reads the sampler's logprob of every completion token at every step
+        (then ``rollout.sampler_logprobs_samples=auto`` records them all)."""
+        return self.use_rollout_logprobs_for_loss or self.score_centering.enabled
+
     if TYPE_CHECKING:
         # What shared code reads on an OPD run. GRPO declares these as fields (GRPORLConfig), OPD as
         # read-only properties with its fixed values (config/opd.py OPDRLConfig); declared here for
@@ -443,6 +459,15 @@ class RunConfig(Section):
         """What a resume must find unchanged beyond the identity every run pins
         (``loop/resume.py:resume_identity``); nothing more for GRPO (OPD adds its teacher)."""
         return {}
+
+    @property
+    def sampler_logprobs_samples(self) -> int | None:
+        """``rollout.sampler_logprobs_samples`` resolved: ``auto`` is 1 (each group's first sample
+        records) unless the objective reads every completion's, then all (``None``)."""
+        samples = self.rollout.sampler_logprobs_samples
+        if samples != "auto":
+            return samples
+        return None if self.rl.reads_every_sampler_logprob else 1
 
     @property
     def data_seed(self) -> int:

@@ -79,7 +79,7 @@ def sampling_params(cfg: RunConfig, cell: int = 0) -> SamplingParams:
         repetition_penalty=ro.repetition_penalty,
         seed=None if ro.seed is None else ro.seed + cell,
         sampler_logprobs_every=ro.sampler_logprobs_every,
-        sampler_logprobs_samples=ro.sampler_logprobs_samples,
+        sampler_logprobs_samples=cfg.sampler_logprobs_samples,
         logprobs_topk=sc.top_k if sc.enabled else 0,
     )
 

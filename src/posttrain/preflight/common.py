@@ -87,7 +87,7 @@ def check_rollout_logprob_modes(cfg: RunConfig, out: Findings, score_centering: 
             f"rollout.sampler_logprobs_every={ro.sampler_logprobs_every} records them {when}: "
             "set rollout.sampler_logprobs_every=1"
         )
-    if rl.use_rollout_logprobs_for_loss and ro.sampler_logprobs_samples is not None:
+    if rl.use_rollout_logprobs_for_loss and ro.sampler_logprobs_samples not in (None, "auto"):
         out.errors.append(
             "rl.use_rollout_logprobs_for_loss=true reads the sampler's logprobs of every completion, but "
             f"rollout.sampler_logprobs_samples={ro.sampler_logprobs_samples} records them for that many samples "

@@ -121,7 +121,7 @@ def _rollout_logprob_problems(cfg: OPDConfig) -> list[str]:
     (the clipped surrogate's pi_old; DPCA's chunk sums), so every step must record them. The
     transformers engine always does; vLLM only as ``rollout.sampler_logprobs_every`` says."""
     every, samples = cfg.rollout.sampler_logprobs_every, cfg.rollout.sampler_logprobs_samples
-    if cfg.rollout.backend != "vllm" or (every == 1 and samples is None):
+    if cfg.rollout.backend != "vllm" or (every == 1 and samples in (None, "auto")):
         return []
     dpca = " (and DPCA sums them per chunk)" if cfg.rl.teacher.signal_mode == "dpca" else ""
     if every != 1:
