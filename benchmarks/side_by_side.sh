@@ -73,6 +73,7 @@
 #          the update graphed in-process, then tests/gpu/test_vllm_gpu.py; lease20t TRL's small task, then
 #          tests/gpu/test_engine_apart_gpu.py (all three ran on one H100 on 2026-12-05, kind=nvidia-h100-x1
 #          when no H200 came)
+#   lease21s the small job as shipped, then TRL's small task (one call; a fresh machine converts the SmolLM2 first)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
