@@ -295,7 +295,12 @@ case "${1:-}" in
     model 1.5b /tmp/m15
     step w15 170 --model /tmp/m15 --micro-batch 32 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
       --out "$R/w15.json"
-    trl w15 220 /tmp/m15 32,8,256
+    # TRL's 32-sequence micro-batches ran out of an H100's 80 GB (2026-12-05); 16 x 16 is the same batch
+    if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ]; then
+      trl w15 220 /tmp/m15 16,16,256
+    else
+      trl w15 220 /tmp/m15 32,8,256
+    fi
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   trl135)
     environment

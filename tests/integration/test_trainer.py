@@ -239,7 +239,7 @@ def test_packed_micro_batches_keep_their_count_and_never_compute_more_cells(
         cfg = build_config(None, [*cfg_overrides, f"rl.micro_batch_per_replica={micro}", *overrides])
         trainer = PolicyTrainer(_load(tiny_model_dir), cfg, objective=grpo_objective(cfg), pad_id=2)
         trainer._decide_sharing(batch)
-        micros = trainer._micro_batches(batch, list(range(16)))
+        micros = trainer._micro_batches(batch, list(range(16)), micro, shared=False)  # share_prompt_prefix=false
         built = [trainer._model_batch(batch, rows) for rows in micros]
         assert all(isinstance(b, PolicyBatch) for b in built)
         return len(micros), sum(b.input_ids_RL.numel() for b in built), sorted(i for m in micros for i in m)

@@ -166,14 +166,13 @@ class PolicyTrainer:
         g = batch.group_size
         return self._share and g > 1 and size % g == 0 and mini[0] % g == 0 and len(mini) % g == 0
 
-    def _micro_batches(self, batch: TrainBatch, mini: list[int]) -> list[list[int]]:
-        """Micro-batches of a mini-batch: whole groups when the prompt pass is shared, else rows sorted
-        by length so that little padding is computed (with ``model.sequence_packing``, the split
-        that packs into the fewest cells; as many micro-batches either way). Free rows (``_free_B``)
-        come first, so that whole micro-batches of them skip the backward, on every rank alike."""
-        size = self.cfg.rl.micro_batch_per_replica or len(mini)
+    def _micro_batches(self, batch: TrainBatch, mini: list[int], size: int, shared: bool) -> list[list[int]]:
+        """Micro-batches of ``size`` rows of a mini-batch: whole groups when the prompt pass is ``shared``,
+        else rows sorted by length so that little padding is computed (with ``model.sequence_packing``,
+        the split that packs into the fewest cells; as many micro-batches either way). Free rows
+        (``_free_B``) come first, so that whole micro-batches of them skip the backward, on every rank alike."""
         free = None if self._free_B is None else self._free_B.tolist()
-        if self._shares_prefix(batch, size, mini):
+        if shared:
             order = mini if free is None else free_groups_first(mini, free, batch.group_size)
             return [order[i : i + size] for i in range(0, len(order), size)]
         lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in mini]
@@ -194,8 +193,9 @@ class PolicyTrainer:
         learn and the free rows (no autograd) where every policy rank can (``dp.passes``; a rank
         whose micro-batch is wholly free splits it by a whole group where the prompt pass is shared)."""
         size = self.cfg.rl.micro_batch_per_replica or len(mini)
-        unit = batch.group_size if self._shares_prefix(batch, size, mini) else 1
-        return self.dp.passes(self._micro_batches(batch, mini), self._free_B, unit)
+        shared = self._shares_prefix(batch, size, mini)
+        unit = batch.group_size if shared else 1
+        return self.dp.passes(self._micro_batches(batch, mini, size, shared), self._free_B, unit)
 
     def _model_batch(self, batch: TrainBatch, rows: list[int]) -> PolicyBatch | GroupedBatch:
         g = batch.group_size
