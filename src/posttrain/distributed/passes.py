@@ -27,11 +27,14 @@ Pass = tuple[list[int], bool]  # a pass's rows, and whether it learns (runs with
 def split_passes(micro_batches: list[list[int]], free_B: torch.Tensor) -> list[Pass]:
     """Each micro-batch's free rows in a pass without autograd, then each one's rows that learn;
     empty parts left out. The free passes run first (``free_first``)."""
-    flags, parts = free_B.tolist(), []
-    for rows in micro_batches:
-        learning, free = [i for i in rows if not flags[i]], [i for i in rows if flags[i]]
-        parts += [(part, learns) for part, learns in ((free, False), (learning, True)) if part]
-    return free_first(parts)
+    flags = free_B.tolist()
+    return free_first([part for rows in micro_batches for part in _split(rows, flags)])
+
+
+def _split(rows: list[int], flags: list[bool]) -> list[Pass]:
+    """One micro-batch's free rows (no autograd), then its rows that learn; an empty part left out."""
+    learning, free = [i for i in rows if not flags[i]], [i for i in rows if flags[i]]
+    return [(part, learns) for part, learns in ((free, False), (learning, True)) if part]
 
 
 def free_first(parts: list[Pass]) -> list[Pass]:
@@ -70,7 +73,7 @@ def agreed_passes(
         elif split and all(flags[i] for i in rows):
             parts += [(rows[:-unit], False), (rows[-unit:], True)]
         elif split:
-            parts += split_passes([rows], free_B)
+            parts += _split(rows, flags)
         else:
             parts.append((rows, True))
     return free_first(parts)
