@@ -323,7 +323,9 @@ class BaseRLConfig(Section):
     batch k+1 in the background while batch k trains (step time about max(rollout, update) +
     weight sync); each batch is then one update stale, corrected by the ratio against the
     sampler's logprobs. Needs ``rollout.backend=vllm`` and ``rl.use_rollout_logprobs_for_loss=true``
-    (docs/objectives.md)."""
+    (docs/objectives.md). On one shared GPU the two sides slow each other down: W's step came out both
+    faster (1.21 vs 1.52 s, 3.49 vs 3.88 s) and slower (2.35 vs 2.15 s, 2.75 vs 2.41 s) than on-policy
+    on four hosts (docs/benchmarks.md), so measure it on yours."""
     weight_sync_transport: Literal["inprocess", "object_store", "nccl", "nixl"] = "inprocess"
     """How new policy weights reach the rollout engine: ``inprocess`` (colocated: the engine shares or
     copies the policy in its own process), ``object_store`` (disaggregated Ray replicas: the full
