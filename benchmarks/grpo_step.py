@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--sampler-logprobs-samples",
-        type=lambda v: None if v in ("none", "null") else int(v),
+        type=lambda v: None if v in ("none", "null") else v if v == "auto" else int(v),
         default="auto",
         help="rollout.sampler_logprobs_samples (null: every sample records; default auto, as a run resolves it: "
         "1, or every sample under --off-policy, whose loss reads them)",

@@ -8,8 +8,8 @@ written by ``../shared/peers/trl_grpo_gpu_step.py`` (``$OUT/trl_<mode>.json``). 
 for ours, TRL's own median of its steps 2-4. ``--dir`` reads what ``benchmarks/side_by_side.sh`` leaves
 there: ``w/*.json`` (workload W's arms and the growth arms), ``w_offpolicy.json``, ``w15.json``,
 ``w135.json``, ``w3b.json``, ``p128_seqs512.json``, ``trl_*.json``, ``small*.metrics.jsonl`` and ``trl_small.log``;
-and the seventeenth session's ``hostcosts`` parts: ``flat_logprobs.json``, ``flat/*.json``,
-``w_offpolicy_plan.json`` and ``w_offpolicy_graphs.json``.
+the seventeenth session's ``hostcosts`` parts: ``flat_logprobs.json``, ``flat/*.json``,
+``w_offpolicy_plan.json`` and ``w_offpolicy_graphs.json``; and ``samples/*.json`` (part ``samples21``).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def host_costs_table(r: Path) -> str:
                 f"{m['gc_passes']:.0f} ({m['gc_s']:.3f}) |"
             )
         parts.append("\n".join(lines))
-    runs = sorted((r / "flat").glob("*.json")) if (r / "flat").exists() else []
+    runs = [p for d in ("flat", "samples") for p in sorted((r / d).glob("*.json"), key=lambda p: p.stat().st_mtime)]
     runs += [p for p in (r / f"{n}.json" for n in ("w_offpolicy_plan", "w_offpolicy_graphs")) if p.exists()]
     if runs:
         trl_w = r / "trl_w.json"  # TRL on W in the same lease (lease19s), when the W table above is absent

@@ -73,6 +73,7 @@
 #          the update graphed in-process, then tests/gpu/test_vllm_gpu.py; lease20t TRL's small task, then
 #          tests/gpu/test_engine_apart_gpu.py (all three ran on one H100 on 2026-12-05, kind=nvidia-h100-x1
 #          when no H200 came)
+#   samples21 W with rollout.sampler_logprobs_samples=auto (first sample records) against every sample, one process
 #   lease21s the small job as shipped, then TRL's small task (one call; a fresh machine converts the SmolLM2 first)
 #   table  the tables from /tmp/sbs
 #
@@ -568,6 +569,18 @@ case "${1:-}" in
     POSTTRAIN_GPU_TEST_REPORT=$R/tests/engine_apart_gpu.json timeout 170 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
       tests/gpu/test_engine_apart_gpu.py >"$R/tests/engine_apart_gpu.log" 2>&1
     echo "engine_apart_gpu rc=$?"; grep -E "passed|failed|^E " "$R/tests/engine_apart_gpu.log" | tail -8 | cut -c1-300
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+  samples21)
+    # rollout.sampler_logprobs_samples=auto (the twenty-first session's default: each group's first sample
+    # records) against every sample recording, W in one process on one engine, the default arm on both sides
+    # of the other (generation drifts within a process), then TRL on W for the same lease's ratio
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    step w_samples 330 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/samples" \
+      --arms "first:steps=5;every:steps=5,sampler_logprobs_samples=none;first_again:steps=5"
+    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    trl w 150 /tmp/m05 32,8,256
     tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
   lease21s)
     # the small job as shipped, then TRL's GRPOTrainer on the same task (its converted SmolLM2), one call
