@@ -96,6 +96,9 @@ R=/tmp/sbs
 mkdir -p "$R"
 MODELS=tests/fixtures/smollm2_tokenizer
 PEERS=${PEERS:-.devsrc/peers}
+pack() {  # every result so far into $OUT/sbs.tgz, after each run: a call cut at its limit still returns them
+  tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+}
 step() {  # NAME TIMEOUT [grpo_step.py options]: one process of ours
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 benchmarks/grpo_step.py --engine vllm "$@" >"$R/$name.log" 2>&1
@@ -117,7 +120,7 @@ trl_points() {  # NAME:TIMEOUT:B,GA,L ...: TRL on the 0.4B shape at each growth 
     IFS=: read -r name limit bgl <<<"$spec"
     trl "$name" "$limit" /tmp/m05 "$bgl"
   done
-  tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+  pack
 }
 share_sweep() {  # SHARES SPEC...: the update alone per model.share_prompt_prefix value (SHARES, e.g.
   # on,off), each SPEC shape:prompts:prompt_len:completion_len:micro_batch
@@ -199,7 +202,7 @@ case "${1:-}" in
     # compiled layers without Liger's kernels (model.fused_kernels=auto keeps them apart; the patch cannot be undone)
     step w_compiled 150 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --fused-kernels off --arms "$COMPILED_ARM" \
       --out-dir "$R/w"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null; ls "$R/w" ;;
+    pack; ls "$R/w" ;;
   more)
     environment
     step w_offpolicy 170 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
@@ -208,7 +211,7 @@ case "${1:-}" in
     step w15 170 --model /tmp/m15 --micro-batch 32 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
       --out "$R/w15.json"
     trl w 200 /tmp/m05 32,8,256
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   small)
     environment
     (model 0.5b /tmp/m05 &)  # for `seqs` and `trl`, meanwhile
@@ -220,7 +223,7 @@ case "${1:-}" in
       >"$R/overheads_vllm.log" 2>&1; echo "overheads rc=$?"; grep -E "^\|" "$R/overheads_vllm.log" | head -30
     # the same small job with compiled decoder layers (model.compile: ~15 s once, then a faster update)
     small_job small_compiled 170 model.compile=true
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   trl) trl_points w:150:32,8,256 p128:230:32,32,256 t1024:200:16,16,1024 ;;
   trlgrid) trl_points p8:170:32,2,256 p64:230:32,16,256 t64:170:32,8,64 ;;
   trl64) trl_points p64:230:32,16,256 ;;
@@ -238,7 +241,7 @@ case "${1:-}" in
     # 1,024 sequences at once with vLLM's cap at the CUDA-graph capture size (512): two graphed waves
     step p128_seqs512 200 --model /tmp/m05 --micro-batch 64 --max-num-seqs 512 --steps 3 \
       --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --prompts 128 --out "$R/p128_seqs512.json"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   probe)
     # W with the shipped settings (weights written in place on CUDA), 128 prompts, compiled layers,
     # then W's generation alone (bare vLLM requests against posttrain's, profiled: grpo_step.py
@@ -252,7 +255,7 @@ case "${1:-}" in
     grep -E "^probe" "$R/probe.log"
     step graphs 200 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --cudagraph-max 1024 --out-dir "$R/graphs" \
       --arms "p128_graphs1024:steps=3,prompts=128,$SHIPPED;w_graphs1024:steps=4,$SHIPPED"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   tests|testsmv)
     # the GPU test files, each in a pytest process of its own: `tests` those whose llama policies
     # model.fused_kernels=auto now patches (with liger-kernel from .vxl) and model.cuda_graphs=auto
@@ -267,7 +270,7 @@ case "${1:-}" in
         >"$R/tests/$name.log" 2>&1
       echo "$name rc=$?"; tail -2 "$R/tests/$name.log" | cut -c1-300
     done
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   share)
     # model.share_prompt_prefix on a GPU: the update alone shared against plain over prompt and
     # batch sizes (update_precision.py --share on,off), then the default recipe's small job as
@@ -278,7 +281,7 @@ case "${1:-}" in
       0.5b:32:1024:64:32
     small_job small_auto 150 model.share_prompt_prefix=auto
     small_job small_plain 150 model.share_prompt_prefix=false
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   sharecheck)
     # after model.share_prompt_prefix=auto's GPU rule (policy/shared_prefix.sharing_pays): the update
     # at two sizes its first version (1,024 tokens and 8x) left plain (512-token prompts; 1,024 with
@@ -289,7 +292,7 @@ case "${1:-}" in
     share_sweep on,off,auto 0.5b:32:512:64:64 0.5b:32:1024:256:32
     small_job small_rule 150
     trl_small
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   big)
     # the 1.5B shape, ours and TRL's in the same lease
     environment
@@ -302,23 +305,23 @@ case "${1:-}" in
     else
       trl w15 220 /tmp/m15 32,8,256
     fi
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   trl135)
     environment
     model 135m /tmp/m135
     step w135 150 --model /tmp/m135 --micro-batch 64 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
       --out "$R/w135.json"
     trl w135 170 /tmp/m135 32,8,256
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   largest)
     environment
     device_info
     model 3b /tmp/m3b
     step w3b 240 --model /tmp/m3b --micro-batch 8 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
       --out "$R/w3b.json"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null  # kept if TRL runs past the call's limit
+    pack  # kept if TRL runs past the call's limit
     trl w3b 250 /tmp/m3b 8,32,256
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   graphs)
     environment
     device_info
@@ -332,7 +335,7 @@ case "${1:-}" in
         --out "$R/graphs_update/${spec%%:*}.json" >"$R/graphs_update/${spec%%:*}.log" 2>&1
       echo "graphs ${spec%%:*} rc=$?"
       grep -E "update|profiled|Error|skipping cudagraphs|pending" "$R/graphs_update/${spec%%:*}.log" | cut -c1-220
-      tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+      pack
     done ;;
   launch)
     environment
@@ -345,7 +348,7 @@ case "${1:-}" in
       echo "launch $shape rc=$?"; grep -E "update|profiled|Error|skipping cudagraphs" "$R/launch/$shape.log" | cut -c1-220
     done
     small_job small_shipped 170
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   sharelong)
     # model.share_prompt_prefix=auto as a user meets it with long prompts: the default recipe with a
     # system message of 991 tokens before every prompt (16-token completions), so on a GPU auto
@@ -356,7 +359,7 @@ case "${1:-}" in
     rules=$(python3 -c "print(' '.join(f'Rule {i}: read the problem carefully, work it out step by step, and answer with the final integer only.' for i in range(1, 41)))")
     small_job long_auto 170 "rl.data.system_prompt='$rules'"
     small_job long_plain 170 "rl.data.system_prompt='$rules'" model.share_prompt_prefix=false
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   mps)
     # one-step off-policy with the engine core apart, without and with CUDA MPS. Without MPS two
     # processes on one GPU take turns in time slices, which would explain the update slowing from
@@ -380,7 +383,7 @@ case "${1:-}" in
     else
       echo "no nvidia-cuda-mps-control on this machine"
     fi
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   liger)
     # Liger-Kernel's fused RMSNorm, SwiGLU and RoPE (its wheel carried in .vxl): the same numbers as
     # the transformers modules (liger_check.py), then W's update alone eager against model.fused_kernels
@@ -389,7 +392,7 @@ case "${1:-}" in
     timeout 90 python3 benchmarks/liger_check.py --out "$R/liger_check.json" 2>&1 | grep -E "LIGERCHECK|Error" | cut -c1-700
     timeout 150 python3 benchmarks/update_precision.py --shapes 0.5b --prompts 32 --completion-len 256 --micro-batch 64 \
       --share off --repeats 3 --arms mixed,mixed_fused --out "$R/liger_update.json" 2>&1 | grep -E "update|Error" | cut -c1-300
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   fused)
     # model.fused_kernels in whole steps: W eager then fused (one process, one engine), the default
     # recipe's small job eager and fused (learning, 40 steps), the GPU test
@@ -402,7 +405,7 @@ case "${1:-}" in
     small_job small_fused 150 model.fused_kernels=true
     POSTTRAIN_GPU_TEST_REPORT=$R/fused_gpu_test.json timeout 120 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
       tests/gpu/test_fused_kernels_gpu.py >"$R/fused_gpu_test.log" 2>&1; echo "fused gpu test rc=$?"; tail -2 "$R/fused_gpu_test.log"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   fusedw)
     # the fused-kernels GPU tests, then W with TRL, eager and fused in one lease (packed after each)
     environment
@@ -410,20 +413,20 @@ case "${1:-}" in
     (model 0.5b /tmp/m05 &)
     POSTTRAIN_GPU_TEST_REPORT=$R/fused_gpu_test.json timeout 150 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
       tests/gpu/test_fused_kernels_gpu.py >"$R/fused_gpu_test.log" 2>&1; echo "fused gpu test rc=$?"; tail -2 "$R/fused_gpu_test.log"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     model 0.5b /tmp/m05
     trl w 150 /tmp/m05 32,8,256
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     step w_fusedw 240 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/fusedw" \
       --fused-kernels off --arms "eager:steps=5,$SHIPPED;fused:steps=5,fused_kernels=1,$SHIPPED"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   fused15)
     # the 1.5B shape eager then with model.fused_kernels (one process, one engine)
     environment
     model 1.5b /tmp/m15
     step w15_fused 300 --model /tmp/m15 --micro-batch 32 --out-dir "$R/fused15" \
       --fused-kernels off --arms "eager:steps=4,$SHIPPED;fused:steps=4,fused_kernels=1,$SHIPPED"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   cgraphs)
     # model.cuda_graphs (the body's forward and backward replayed per padded shape, models/cuda_graphs.py):
     # its GPU tests, then the update alone beside the shipped eager one at the small step's size (135M and
@@ -432,13 +435,13 @@ case "${1:-}" in
     device_info
     (model 0.5b /tmp/m05 &)
     cgraphs_tests
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     mkdir -p "$R/cgraphs"
     timeout 150 python3 benchmarks/update_precision.py --shapes 135m,tiny30 --prompts 4 --completion-len 16 \
       --micro-batch 32 --share off --repeats 7 --profile --vary-lengths 3 --arms mixed,mixed_cuda_graphs \
       --out "$R/cgraphs/small.json" >"$R/cgraphs/small.log" 2>&1; echo "small update rc=$?"
     grep -E "update|Error" "$R/cgraphs/small.log" | cut -c1-260
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     model 0.5b /tmp/m05
     timeout 150 python3 benchmarks/update_precision.py --shapes 0.5b --micro-batch 64 --share off --repeats 3 \
       --arms mixed,mixed_cuda_graphs --out "$R/cgraphs/w.json" >"$R/cgraphs/w.log" 2>&1; echo "W update rc=$?"
@@ -446,7 +449,7 @@ case "${1:-}" in
     timeout 150 python3 benchmarks/update_precision.py --shapes 1.5b --micro-batch 32 --share off --repeats 3 \
       --arms mixed,mixed_cuda_graphs --out "$R/cgraphs/w15.json" >"$R/cgraphs/w15.log" 2>&1; echo "1.5B update rc=$?"
     grep -E "update|Error" "$R/cgraphs/w15.log" | cut -c1-260
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   cgraphsb)
     # model.cuda_graphs: its GPU tests again, the update alone at W's size (0.4B) and at 1.5B, then the
     # default recipe's small job (learning, 40 steps on vLLM) as shipped and with the graphs
@@ -462,49 +465,49 @@ case "${1:-}" in
         >"$R/cgraphs/update_${spec%:*}.log" 2>&1; echo "update ${spec%:*} rc=$?"
       grep -E "update|Error" "$R/cgraphs/update_${spec%:*}.log" | cut -c1-260
     done
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     small_job small_shipped 150
     small_job small_graphs 150 model.cuda_graphs=true
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   cgraphsc)
     # W with and without model.cuda_graphs (one process, one engine), then TRL's small task
     environment
     model 0.5b /tmp/m05
     step w_cgraphs 280 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/cgraphs" \
       --arms "shipped:steps=5,$SHIPPED;graphs:steps=5,cuda_graphs=1,$SHIPPED"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     trl_small
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   cgraphse)
     # the small job as shipped again (cgraphsb's timed out at 150 s), then W with and without the graphs
     environment
     small_job small_shipped 190
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     model 0.5b /tmp/m05
     step w_cgraphs 250 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/cgraphs" \
       --arms "shipped:steps=4,$SHIPPED;graphs:steps=4,cuda_graphs=1,$SHIPPED"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   cgraphst)
     # TRL's small task alone (after cgraphse on the same machine: the converted SmolLM2 is in /tmp/cache)
     environment
     trl_small
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   cgraphsd)
     # TRL on W in the same lease
     environment
     model 0.5b /tmp/m05
     trl w 150 /tmp/m05 32,8,256
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   syncplan)
     environment
     device_info
     timeout 200 python3 benchmarks/weight_sync_plan.py --shapes tiny30,135m,0.5b --device cuda --out "$R/sync_plan.json" \
       >"$R/sync_plan.log" 2>&1; echo "sync plan rc=$?"; grep -E "^\||Error" "$R/sync_plan.log" | cut -c1-260
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     small_job small_shipped 190
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     small_job small_async 190 rollout.async_scheduling=true
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   hostcosts)
     environment
     device_info
@@ -516,24 +519,24 @@ case "${1:-}" in
     POSTTRAIN_GPU_TEST_REPORT=$R/tests/engine_apart_gpu.json timeout 150 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
       tests/gpu/test_engine_apart_gpu.py >"$R/tests/engine_apart_gpu.log" 2>&1
     echo "engine_apart_gpu rc=$?"; tail -2 "$R/tests/engine_apart_gpu.log" | cut -c1-300
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     step w_offpolicy_plan 170 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
       --out "$R/w_offpolicy_plan.json"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   hostcosts2)
     environment
     model 0.5b /tmp/m05
     step w_flat 200 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/flat" --arms "shipped:steps=5"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     step w_offpolicy_graphs 200 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --cuda-graphs \
       --out "$R/w_offpolicy_graphs.json"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   smallreq)
     environment
     small_job small_unseeded 190 rollout.seed=null
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     small_job small_nologprobs 190 rollout.sampler_logprobs_every=0
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   lease19s)
     # W as shipped, the small job as shipped, then TRL on W, in the order a short lease wants (results
     # packed after each, so a call cut off at its limit still returns what finished); run 2026-12-05
@@ -542,11 +545,11 @@ case "${1:-}" in
     device_info
     model 0.5b /tmp/m05
     step w_flat 200 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/flat" --arms "shipped:steps=5"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     small_job small_shipped 150
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     trl w 150 /tmp/m05 32,8,256
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   lease19c)
     # its third: one-step off-policy W with the update graphed in-process, then the vLLM GPU test (the
     # in-process WeightWriter: loaders once, then the copy plan)
@@ -554,12 +557,12 @@ case "${1:-}" in
     model 0.5b /tmp/m05
     step w_offpolicy_graphs 200 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --cuda-graphs \
       --out "$R/w_offpolicy_graphs.json"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     mkdir -p "$R/tests"
     POSTTRAIN_GPU_TEST_REPORT=$R/tests/vllm_gpu.json timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
       tests/gpu/test_vllm_gpu.py >"$R/tests/vllm_gpu.log" 2>&1
     echo "vllm_gpu rc=$?"; tail -2 "$R/tests/vllm_gpu.log" | cut -c1-300
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   lease20t)
     # TRL's GRPOTrainer on the small task (the small job's converted SmolLM2, so after lease19s on the
     # same machine), then the engine core apart's GPU test (the twentieth session's third call)
@@ -569,7 +572,7 @@ case "${1:-}" in
     POSTTRAIN_GPU_TEST_REPORT=$R/tests/engine_apart_gpu.json timeout 170 python3 -m pytest -m gpu -q -s -p no:cacheprovider \
       tests/gpu/test_engine_apart_gpu.py >"$R/tests/engine_apart_gpu.log" 2>&1
     echo "engine_apart_gpu rc=$?"; grep -E "passed|failed|^E " "$R/tests/engine_apart_gpu.log" | tail -8 | cut -c1-300
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   samples21)
     # rollout.sampler_logprobs_samples=auto (the twenty-first session's default: each group's first sample
     # records) against every sample recording, W in one process on one engine, the default arm on both sides
@@ -579,17 +582,17 @@ case "${1:-}" in
     model 0.5b /tmp/m05
     step w_samples 330 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/samples" \
       --arms "first:steps=5;every:steps=5,sampler_logprobs_samples=none;first_again:steps=5"
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     trl w 150 /tmp/m05 32,8,256
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   lease21s)
     # the small job as shipped, then TRL's GRPOTrainer on the same task (its converted SmolLM2), one call
     environment
     device_info
     small_job small_shipped 150
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null
+    pack
     trl_small
-    tar czf "$OUT/sbs.tgz" -C "$R" . 2>/dev/null ;;
+    pack ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)
