@@ -9,7 +9,8 @@ for ours, TRL's own median of its steps 2-4. ``--dir`` reads what ``benchmarks/s
 there: ``w/*.json`` (workload W's arms and the growth arms), ``w_offpolicy.json``, ``w15.json``,
 ``w135.json``, ``w3b.json``, ``p128_seqs512.json``, ``trl_*.json``, ``small*.metrics.jsonl`` and ``trl_small.log``;
 the seventeenth session's ``hostcosts`` parts: ``flat_logprobs.json``, ``flat/*.json``,
-``w_offpolicy_plan.json`` and ``w_offpolicy_graphs.json``; and ``samples/*.json`` (part ``samples21``).
+``w_offpolicy_plan.json`` and ``w_offpolicy_graphs.json``; and ``samples/*.json`` (part ``samples21``;
+its repeats as ``samples_<tag>/*.json``).
 """
 
 from __future__ import annotations
@@ -154,12 +155,18 @@ def host_costs_table(r: Path) -> str:
                 f"{m['gc_passes']:.0f} ({m['gc_s']:.3f}) |"
             )
         parts.append("\n".join(lines))
-    runs = [p for d in ("flat", "samples") for p in sorted((r / d).glob("*.json"), key=lambda p: p.stat().st_mtime)]
+    # samples21's arms, and its repeats kept beside it as samples_<tag>/ (labelled by that folder)
+    dirs = ["flat", "samples", *sorted(d.name for d in r.glob("samples_*") if d.is_dir())]
+    runs = [p for d in dirs for p in sorted((r / d).glob("*.json"), key=lambda p: p.stat().st_mtime)]
     runs += [p for p in (r / f"{n}.json" for n in ("w_offpolicy_plan", "w_offpolicy_graphs")) if p.exists()]
     if runs:
         trl_w = r / "trl_w.json"  # TRL on W in the same lease (lease19s), when the W table above is absent
         trl = [trl_row(trl_w, "TRL 1.16, vLLM colocated 0.3")] if trl_w.exists() and not (r / "w").exists() else []
-        parts.append("\n".join([HEADER, *(ours_row(p) for p in runs), *trl]))
+        rows = [
+            ours_row(p, f"posttrain {p.parent.name}/{p.stem}" if p.parent.name.startswith("samples_") else None)
+            for p in runs
+        ]
+        parts.append("\n".join([HEADER, *rows, *trl]))
     return "\n\n".join(parts)
 
 

@@ -73,7 +73,8 @@
 #          the update graphed in-process, then tests/gpu/test_vllm_gpu.py; lease20t TRL's small task, then
 #          tests/gpu/test_engine_apart_gpu.py (all three ran on one H100 on 2026-12-05, kind=nvidia-h100-x1
 #          when no H200 came)
-#   samples21 W with rollout.sampler_logprobs_samples=auto (first sample records) against every sample, one process
+#   samples21 W with rollout.sampler_logprobs_samples=auto (first sample records) against every sample, one process;
+#          samples22 the two interleaved (first, every, first, every, first; results in samples_c/)
 #   lease21s the small job as shipped, then TRL's small task (one call; a fresh machine converts the SmolLM2 first)
 #   table  the tables from /tmp/sbs
 #
@@ -584,6 +585,15 @@ case "${1:-}" in
       --arms "first:steps=5;every:steps=5,sampler_logprobs_samples=none;first_again:steps=5"
     pack
     trl w 150 /tmp/m05 32,8,256
+    pack ;;
+  samples22)
+    # the same two settings interleaved, four steps an arm (first, every, first, every, first), since
+    # generation drifts within a process; no TRL (the twenty-second session ran it as one inline command
+    # after samples21 twice, on the same machine)
+    environment
+    model 0.5b /tmp/m05
+    step w_samples_c 400 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/samples_c" \
+      --arms "f1:steps=4;e1:steps=4,sampler_logprobs_samples=none;f2:steps=4;e2:steps=4,sampler_logprobs_samples=none;f3:steps=4"
     pack ;;
   lease21s)
     # the small job as shipped, then TRL's GRPOTrainer on the same task (its converted SmolLM2), one call

@@ -163,7 +163,7 @@ class RolloutConfig(Section):
     ``train/logprob_gap_*`` is measured on those, the draws are unchanged. ``auto``: 1 unless the
     objective reads every completion's (``rl.use_rollout_logprobs_for_loss``, score centering, OPD's
     advantage mode), then all. An explicit N is refused where the objective reads them. Recording all
-    made W's step 0.23-0.43 s slower on two H200s (docs/benchmarks.md)."""
+    made W's step 0.23-0.43 s slower on two H200s and 0.40 s on an H100 (docs/benchmarks.md)."""
     batch_size: int = Field(256, ge=1)
     """Most sequences the hf engine decodes at once."""
 
