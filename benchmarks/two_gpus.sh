@@ -18,7 +18,7 @@
 #            - OPD under Ray: student (policy + vLLM) on GPU 0, a vLLM teacher on GPU 1, 20 steps
 #
 # What travels (ignored folders, .git/info/exclude): the vLLM 0.24 kit with TRL, gguf and the embedded
-# model's GGUF as side_by_side.sh builds it (.vx0 .. .vx6, .vx/part07 + vllm-install); Ray 2.60 (with
+# model's GGUF as side_by_side.sh builds it (.vx0 .. .vx7, .vx/part08 + vllm-install); Ray 2.60 (with
 # jsonschema, referencing, rpds-py) and NIXL 1.5.1 (nixl, nixl-cu13) as one tar in three parts:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 #     --platform manylinux2014_x86_64 ... -d /tmp/xw ray==2.60.0 jsonschema==4.26.0 \
@@ -26,7 +26,7 @@
 #   (cd /tmp/xw && tar cf /tmp/rpack.tar *.whl); sha256sum -> rpack.sha256; split -b 50m -> rpart00..02
 #   in .vxa, .vxb, .vxc (rpack.sha256 with the last); and liger-kernel's wheel in .vxl.
 # Calls, back to back on one warm machine (kind nvidia-h200-x2; each about 5-10 s):
-#   bash benchmarks/two_gpus.sh stage .vxK     carry [".vxK"], for .vx0 .. .vx6, .vxa, .vxb, .vxc
+#   bash benchmarks/two_gpus.sh stage .vxK     carry [".vxK"], for .vx0 .. .vx7, .vxa, .vxb, .vxc
 #   bash benchmarks/two_gpus.sh start 560      carry [".vx", ".vxl"]: installs, starts the jobs in a
 #                                              session of their own, waits up to 560 s
 #   bash benchmarks/two_gpus.sh wait 560       until the jobs are done; send it within the 30 s the
