@@ -75,6 +75,8 @@
 #          when no H200 came)
 #   samples21 W with rollout.sampler_logprobs_samples=auto (first sample records) against every sample, one process;
 #          samples22 the two interleaved (first, every, first, every, first; results in samples_c/)
+#   updprof  the update's GPU time by kernel and operator at W (0.4B) and 1.5B; no vLLM kit (carry .whl only)
+#   head22  the one-log_softmax logprob head: its GPU test, the update with it against the logsumexp head (0.4B, 1.5B)
 #   lease21s the small job as shipped, then TRL's small task (one call; a fresh machine converts the SmolLM2 first)
 #   table  the tables from /tmp/sbs
 #
@@ -596,6 +598,44 @@ case "${1:-}" in
     model 0.5b /tmp/m05
     step w_samples_c 400 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/samples_c" \
       --arms "f1:steps=4;e1:steps=4,sampler_logprobs_samples=none;f2:steps=4;e2:steps=4,sampler_logprobs_samples=none;f3:steps=4"
+    pack ;;
+  updprof)
+    # where the update's GPU time goes, W's (0.4B, micro-batches of 64, the shipped fused kernels, no
+    # prompt sharing, as auto decides at W) and the 1.5B shape's (micro-batches of 32): the kernels and
+    # operators by GPU time (update_precision.py --profile). Needs no vLLM kit: the image has torch and
+    # transformers, and pydantic (with pydantic-core, annotated-types, typing-inspection,
+    # typing-extensions) and Liger-Kernel travel as wheels in .whl (carry [".whl"]; pip download as the
+    # device README says)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
+    device_info
+    mkdir -p "$R/updprof"
+    for spec in 0.5b:64 1.5b:32; do
+      IFS=: read -r shape micro <<<"$spec"
+      timeout 200 python3 benchmarks/update_precision.py --shapes "$shape" --arms mixed_fused --share off --repeats 3 \
+        --micro-batch "$micro" --profile --out "$R/updprof/$shape.json" >"$R/updprof/$shape.log" 2>&1
+      echo "updprof $shape rc=$?"; grep -vE "^\s*$" "$R/updprof/$shape.log" | head -75 | cut -c1-230
+      pack
+    done ;;
+  head22)
+    # the logprob head as one fp32 log_softmax per chunk (twenty-second session) against the logsumexp
+    # head before it: its GPU test, then the update alone, the two heads alternating in one process, at
+    # W (0.4B, micro-batches of 64, profiled: GPU busy time) and at 1.5B (micro-batches of 32). Like
+    # updprof, no vLLM kit (carry [".whl"])
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
+    device_info
+    mkdir -p "$R/head22" "$R/tests"
+    timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py >"$R/tests/logprob_head_gpu.log" 2>&1
+    echo "logprob_head_gpu rc=$?"; grep -E "passed|failed|^E " "$R/tests/logprob_head_gpu.log" | tail -8 | cut -c1-300
+    pack
+    timeout 200 python3 benchmarks/update_precision.py --shapes 0.5b --share off --repeats 4 --micro-batch 64 --profile \
+      --arms mixed_fused_lse,mixed_fused,mixed_fused_lse,mixed_fused --out "$R/head22/0.5b.json" >"$R/head22/0.5b.log" 2>&1
+    echo "head22 0.5b rc=$?"; grep -E "update|profiled:|Error" "$R/head22/0.5b.log" | cut -c1-230
+    pack
+    timeout 200 python3 benchmarks/update_precision.py --shapes 1.5b --share off --repeats 3 --micro-batch 32 \
+      --arms mixed_fused_lse,mixed_fused,mixed_fused_lse,mixed_fused --out "$R/head22/1.5b.json" >"$R/head22/1.5b.log" 2>&1
+    echo "head22 1.5b rc=$?"; grep -E "update|Error" "$R/head22/1.5b.log" | cut -c1-230
     pack ;;
   lease21s)
     # the small job as shipped, then TRL's GRPOTrainer on the same task (its converted SmolLM2), one call

@@ -28,10 +28,15 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
 - ``mixed_cuda_graphs``: ``model.cuda_graphs=true``: the body's forward and backward recorded once per
   padded shape as two CUDA graphs, the bf16 casts inside the graph, the LM head, loss and optimizer
   eager (``models/cuda_graphs.py``; CUDA only). The other arms keep the eager body.
+- an arm name ending in ``_lse`` (``mixed_fused_lse``): that arm with the logprob head of before the
+  twenty-second session, ``gather(logits) - logsumexp(logits.float())`` per chunk instead of one fp32
+  ``log_softmax`` (``policy/logprobs._chunk_logprobs``), for the before/after in one process.
 
 ``--profile`` runs each arm's update once more under torch.profiler and prints the wall time against
 the GPU's busy time (kernel time summed), the kernels launched and the aten calls: an update whose
 busy time is a small share of its wall time is bound by its host-side launches, not by arithmetic.
+It also prints where the busy time goes: the 20 kernels that take most of it, and torch.profiler's
+operator table by self device time (both, 40 rows, in the JSON).
 The ``tiny30`` shape (the 135M shape's 30 layers at width 64, the same vocabulary) has the 135M
 shape's launches with almost none of its arithmetic: on a GPU, the floor of the small update.
 
@@ -57,6 +62,7 @@ from typing import Any
 import torch
 
 PEAK_BF16_FLOPS = 989e12
+TOP_KERNELS = 40  # --profile: the kernels and operators listed, by GPU time
 SAMPLES, PROMPT_LEN = 8, 44
 TOKENIZER_DIR = "tests/fixtures/smollm2_tokenizer"  # SmolLM2's config, as side_by_side.sh's models
 
@@ -88,12 +94,38 @@ def make_batch(prompts: int, completion_len: int, prompt_len: int = PROMPT_LEN) 
     )
 
 
+_SHIPPED: dict[str, Any] = {}  # the shipped logprob head, kept before an _lse arm replaces it
+
+
+def _chunk_logprobs_logsumexp(
+    hidden_CH: torch.Tensor, ids_CJ: torch.Tensor, head: Any, temperature: float, softcap: float | None
+) -> torch.Tensor:
+    """The logprob head before the twenty-second session (``--arms ..._lse``): fp32 logits, their
+    logsumexp, a gather."""
+    logits_CV = head(hidden_CH).float()
+    if softcap is not None:
+        logits_CV = softcap * torch.tanh(logits_CV / softcap)
+    if temperature != 1.0:
+        logits_CV = logits_CV / temperature
+    return logits_CV.gather(-1, ids_CJ) - torch.logsumexp(logits_CV, dim=-1, keepdim=True)
+
+
+def use_logprob_head(arm: str) -> str:
+    """Install the arm's logprob head (``_lse``: the earlier one, else the shipped one); the base arm."""
+    from posttrain.policy import logprobs
+
+    shipped = _SHIPPED.setdefault("head", logprobs._chunk_logprobs)
+    logprobs._chunk_logprobs = _chunk_logprobs_logsumexp if arm.endswith("_lse") else shipped
+    return arm.removesuffix("_lse")
+
+
 def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "auto") -> Any:
     from posttrain.config.schema import GRPOConfig
     from posttrain.models.structure import split_body_and_head
     from posttrain.policy.objective import grpo_objective
     from posttrain.policy.trainer import PolicyTrainer
 
+    arm = use_logprob_head(arm)
     cfg = GRPOConfig()
     cfg.rl.group_size, cfg.rl.batch_per_replica = SAMPLES, args.prompts * SAMPLES
     cfg.rl.micro_batch_per_replica = args.micro_batch
@@ -134,7 +166,7 @@ def sync(device: str) -> None:
 def update(trainer: Any, batch: Any, step: int, arm: str) -> None:
     """One ``train_on``; a CUDA-graph arm first tells inductor that a new step begins (its graphs'
     outputs from the last update are dead), so the trees replay instead of re-recording."""
-    if arm.endswith("graphs"):
+    if arm.removesuffix("_lse").endswith("graphs"):
         torch.compiler.cudagraph_mark_step_begin()
     trainer.train_on(batch, step=step)
 
@@ -155,6 +187,13 @@ def profile_update(trainer: Any, batch: Any, device: str, step: int, arm: str) -
     events = prof.events()
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     names = [e.name for e in events]
+    by_kernel: dict[str, list[float]] = {}  # name -> [count, GPU seconds]
+    for e in kernels:
+        entry = by_kernel.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us() / 1e6
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    ops = prof.key_averages().table(sort_by="self_device_time_total", row_limit=TOP_KERNELS) if kernels else ""
     return {
         "wall_s": wall,
         "gpu_busy_s": sum(e.time_range.elapsed_us() for e in kernels) / 1e6,
@@ -162,6 +201,10 @@ def profile_update(trainer: Any, batch: Any, device: str, step: int, arm: str) -
         "kernel_launches": sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names),
         "graph_launches": sum(n == "cudaGraphLaunch" for n in names),
         "aten_calls": sum(n.startswith("aten::") for n in names),
+        # where the GPU's time goes: the kernels by summed duration, and the operators that launched
+        # them (torch.profiler's table by self device time)
+        "top_kernels": [{"name": n[:200], "count": int(c), "gpu_s": t} for n, (c, t) in top],
+        "ops_table": ops,
     }
 
 
@@ -216,6 +259,11 @@ def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto")
             f"replays), {prof['aten_calls']} aten calls",
             flush=True,
         )
+        busy = prof["gpu_busy_s"] or 1.0
+        for k in prof["top_kernels"][:20]:
+            share, ms = 100 * k["gpu_s"] / busy, 1e3 * k["gpu_s"]
+            print(f"        {share:5.1f} %  {ms:7.2f} ms  x{k['count']:<5d} {k['name'][:110]}")
+        print(prof["ops_table"], flush=True)
     del trainer, model
     if args.device == "cuda":
         torch.cuda.empty_cache()

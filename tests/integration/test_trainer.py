@@ -359,8 +359,11 @@ def test_tied_groups_skip_the_backward_and_leave_the_update_as_it_was(
     elif "model.share_prompt_prefix=false" in overrides:  # one body forward per pass: its rows are the pass's
         assert sum(rows for rows, grad in forwards if not grad) == 8  # the two tied groups
         assert sum(rows for rows, grad in forwards if grad) == 8
+    # AdamW normalises each element's step, so an element whose gradient is near zero moves by up to
+    # lr x its relative rounding: fp32 sums in another order alone (the same plain update through the
+    # logsumexp logprob head and through today's log_softmax one) move one weight in millions by 2.6e-5
     for a, b in zip(plain, split):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
     for key in ("train/loss_avg", "train/clip_frac", "train/logprob_gap_mean", "train/logprob_gap_max"):
         assert metrics[key] == pytest.approx(plain_metrics[key], abs=1e-5), key
     for key in ("train/valid_token_count", "train/valid_sequence_count", "optim/update_outcome"):

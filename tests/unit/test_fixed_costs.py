@@ -91,11 +91,12 @@ def test_grouped_sdpa_leaves_autograd_forwards_to_transformers() -> None:
 
 
 def _old_chunked(hidden: torch.Tensor, ids: torch.Tensor, head: torch.nn.Module, temperature: float) -> torch.Tensor:
-    """The head as it ran before: every chunk checkpointed, always divided by the temperature."""
+    """The head's math with every chunk checkpointed and always divided by the temperature (as it ran
+    before a single chunk skipped the recompute and a temperature of 1 the division)."""
 
     def chunk(h: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
         logits = head(h).float() / temperature
-        return logits.gather(-1, i) - torch.logsumexp(logits, dim=-1, keepdim=True)
+        return torch.log_softmax(logits, dim=-1).gather(-1, i)
 
     return torch.cat([checkpoint(chunk, hidden, ids, use_reentrant=False)])
 

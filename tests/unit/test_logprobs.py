@@ -242,3 +242,28 @@ def test_chunked_head_never_sees_more_than_chunk_tokens_rows() -> None:
     # The profiler does see the full logits in the naive path, so its silence on the chunked one means something.
     assert peak_naive >= full_logits_bytes
     assert peak_chunked < full_logits_bytes / 4
+
+
+@pytest.mark.parametrize(("temperature", "softcap"), [(1.0, None), (0.7, None), (1.0, 3.0)])
+def test_bf16_head_computes_in_fp32(temperature: float, softcap: float | None) -> None:
+    """A bf16 head's logits are upcast before the softmax (``log_softmax(dtype=float32)`` at the
+    default; after the softcap and the temperature otherwise): within fp32 rounding of a float64
+    reference over the same bf16 logits, where a bf16 softmax would be off by ~1e-2."""
+    from posttrain.policy.logprobs import chunked_head_logprobs
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 3000, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.mul_(8.0)  # logits of a few units: a peaked softmax, where rounding shows
+    hidden = torch.randn(50, 64, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(3000, (50, 2))
+    out = chunked_head_logprobs(hidden, ids, head, temperature=temperature, softcap=softcap, chunk_tokens=16)
+    logits = head(hidden).double()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
+    ref = logits.gather(-1, ids) - torch.logsumexp(logits, dim=-1, keepdim=True)
+    assert out.dtype == torch.float32
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    grad, grad_ref = (torch.autograd.grad(x.sum(), hidden)[0].double() for x in (out.double(), ref))
+    assert ((grad - grad_ref).norm() / grad_ref.norm()).item() < 2e-2

@@ -2,10 +2,10 @@
 
 The model's body runs once over the batch (padded or packed, ``policy/batching.py``); only the
 hidden states that predict completion tokens are kept, and the LM head is applied to them
-``chunk_tokens`` rows at a time. Each chunk computes its fp32 logits, a logsumexp and a gather, and
-is wrapped in activation checkpointing so that backward recomputes that chunk's logits instead of
-keeping them: peak memory holds one chunk's ``[chunk_tokens, V]`` logits (and their gradient),
-never ``[B, L, V]``.
+``chunk_tokens`` rows at a time. Each chunk computes an fp32 log-softmax of its logits and a gather,
+and is wrapped in activation checkpointing so that backward recomputes that chunk's logits instead of
+keeping them: peak memory holds one chunk's ``[chunk_tokens, V]`` log-probabilities (and their
+gradient), never ``[B, L, V]``.
 """
 
 from __future__ import annotations
@@ -24,14 +24,24 @@ from posttrain.policy.batching import PolicyBatch
 def _chunk_logprobs(
     hidden_CH: Tensor, ids_CJ: Tensor, head: nn.Module, temperature: float, softcap: float | None
 ) -> Tensor:
-    """log p(ids_CJ[c, j]) under ``softmax(head(hidden_CH[c]) / temperature)``, in fp32."""
-    logits_CV = head(hidden_CH).float()
-    if softcap is not None:
-        logits_CV = softcap * torch.tanh(logits_CV / softcap)
-    if temperature != 1.0:  # x / 1 == x exactly: skip a [C, V] pass (and its backward) at the default
-        logits_CV = logits_CV / temperature
-    lse_C1 = torch.logsumexp(logits_CV, dim=-1, keepdim=True)
-    return logits_CV.gather(-1, ids_CJ) - lse_C1
+    """log p(ids_CJ[c, j]) under ``softmax(head(hidden_CH[c]) / temperature)``, in fp32.
+
+    One ``log_softmax`` that reads the head's (bf16) logits and computes and writes in fp32, then a
+    gather: its forward is one kernel over ``[C, V]`` and its backward one more (plus the gather's
+    scatter). ``gather(logits) - logsumexp(logits.float())``, the same value, took about five passes
+    over the chunk's fp32 logits forward and seven backward, a quarter of W's update on an H100
+    (docs/benchmarks.md, twenty-second session)."""
+    logits_CV = head(hidden_CH)
+    if softcap is None and temperature == 1.0:
+        logprobs_CV = torch.log_softmax(logits_CV, dim=-1, dtype=torch.float32)  # upcasts, then computes
+    else:
+        logits_CV = logits_CV.float()
+        if softcap is not None:
+            logits_CV = softcap * torch.tanh(logits_CV / softcap)
+        if temperature != 1.0:  # x / 1 == x exactly: skip a [C, V] pass (and its backward) at the default
+            logits_CV = logits_CV / temperature
+        logprobs_CV = torch.log_softmax(logits_CV, dim=-1)
+    return logprobs_CV.gather(-1, ids_CJ)
 
 
 def chunked_head_logprobs(
