@@ -128,6 +128,13 @@ def _engine_extras(args: argparse.Namespace) -> dict[str, Any] | None:
     return {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else None
 
 
+def use_logprob_head(earlier: bool) -> None:
+    """The shipped logprob head, or (``earlier``) the one before the twenty-second session."""
+    from logprob_heads import use_logprob_head as install  # this directory's, on sys.path (main)
+
+    install(earlier)
+
+
 ARM_KEYS = {
     "steps": int,
     "prompts": int,
@@ -139,6 +146,8 @@ ARM_KEYS = {
     "compile": lambda v: v in ("1", "true", "yes"),
     "fused_kernels": lambda v: v in ("1", "true", "yes"),  # turns them on (off cannot undo the patch)
     "cuda_graphs": lambda v: v in ("1", "true", "yes"),  # model.cuda_graphs, on or off per arm
+    # the logprob head before the twenty-second session (benchmarks/logprob_heads.py), on or off per arm
+    "logsumexp_head": lambda v: v in ("1", "true", "yes"),
 }
 
 
@@ -198,6 +207,7 @@ def run(
                 trainer.graphs = GraphedBody(split_body_and_head(trainer.model)[0], trainer.precision)
             elif not arm.cuda_graphs:
                 trainer.graphs = None  # its recorded graphs, and their memory pools, go
+            use_logprob_head(arm.logsumexp_head)
             cfg.rl.batch_per_replica = arm.prompts * arm.samples
             cfg.rl.micro_batch_per_replica = arm.micro_batch
             print(f"== arm {name}: {json.dumps({k: getattr(arm, k) for k in ARM_KEYS})}", flush=True)
@@ -461,6 +471,11 @@ def main(argv: list[str] | None = None) -> int:
         "--cuda-graphs",
         action="store_true",
         help="model.cuda_graphs: the policy body's forward and backward replayed as CUDA graphs per padded shape",
+    )
+    p.add_argument(
+        "--logsumexp-head",
+        action="store_true",
+        help="the logprob head before the twenty-second session (gather minus logsumexp; benchmarks/logprob_heads.py)",
     )
     p.add_argument("--async-scheduling", action="store_true", help="vLLM async scheduling")
     p.add_argument("--off-policy", action="store_true", help="rl.max_off_policy_steps=1: sample k+1 while k trains")

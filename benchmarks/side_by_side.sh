@@ -77,6 +77,7 @@
 #          samples22 the two interleaved (first, every, first, every, first; results in samples_c/)
 #   updprof  the update's GPU time by kernel and operator at W (0.4B) and 1.5B; no vLLM kit (carry .whl only)
 #   head22  the one-log_softmax logprob head: its GPU test, the update with it against the logsumexp head (0.4B, 1.5B)
+#   head23  W in whole steps with that head against the logsumexp one (interleaved), then the small job (not yet run)
 #   lease21s the small job as shipped, then TRL's small task (one call; a fresh machine converts the SmolLM2 first)
 #   table  the tables from /tmp/sbs
 #
@@ -636,6 +637,18 @@ case "${1:-}" in
     timeout 200 python3 benchmarks/update_precision.py --shapes 1.5b --share off --repeats 3 --micro-batch 32 \
       --arms mixed_fused_lse,mixed_fused,mixed_fused_lse,mixed_fused --out "$R/head22/1.5b.json" >"$R/head22/1.5b.log" 2>&1
     echo "head22 1.5b rc=$?"; grep -E "update|Error" "$R/head22/1.5b.log" | cut -c1-230
+    pack ;;
+  head23)
+    # the next lease's measurement of the twenty-second session's logprob head in whole steps: W with it
+    # against the logsumexp head before it, interleaved in one process on one engine (grpo_step.py's
+    # logsumexp_head arm key), then the small job as shipped (the new head only)
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    step w_head 400 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/samples_head" \
+      --arms "n1:steps=4;l1:steps=4,logsumexp_head=1;n2:steps=4;l2:steps=4,logsumexp_head=1;n3:steps=4"
+    pack
+    small_job small_shipped 150
     pack ;;
   lease21s)
     # the small job as shipped, then TRL's GRPOTrainer on the same task (its converted SmolLM2), one call

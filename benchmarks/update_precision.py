@@ -30,7 +30,7 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
   eager (``models/cuda_graphs.py``; CUDA only). The other arms keep the eager body.
 - an arm name ending in ``_lse`` (``mixed_fused_lse``): that arm with the logprob head of before the
   twenty-second session, ``gather(logits) - logsumexp(logits.float())`` per chunk instead of one fp32
-  ``log_softmax`` (``policy/logprobs._chunk_logprobs``), for the before/after in one process.
+  ``log_softmax`` (``benchmarks/logprob_heads.py``), for the before/after in one process.
 
 ``--profile`` runs each arm's update once more under torch.profiler and prints the wall time against
 the GPU's busy time (kernel time summed), the kernels launched and the aten calls: an update whose
@@ -94,28 +94,11 @@ def make_batch(prompts: int, completion_len: int, prompt_len: int = PROMPT_LEN) 
     )
 
 
-_SHIPPED: dict[str, Any] = {}  # the shipped logprob head, kept before an _lse arm replaces it
-
-
-def _chunk_logprobs_logsumexp(
-    hidden_CH: torch.Tensor, ids_CJ: torch.Tensor, head: Any, temperature: float, softcap: float | None
-) -> torch.Tensor:
-    """The logprob head before the twenty-second session (``--arms ..._lse``): fp32 logits, their
-    logsumexp, a gather."""
-    logits_CV = head(hidden_CH).float()
-    if softcap is not None:
-        logits_CV = softcap * torch.tanh(logits_CV / softcap)
-    if temperature != 1.0:
-        logits_CV = logits_CV / temperature
-    return logits_CV.gather(-1, ids_CJ) - torch.logsumexp(logits_CV, dim=-1, keepdim=True)
-
-
 def use_logprob_head(arm: str) -> str:
     """Install the arm's logprob head (``_lse``: the earlier one, else the shipped one); the base arm."""
-    from posttrain.policy import logprobs
+    from logprob_heads import use_logprob_head as install  # this directory's, on sys.path (main)
 
-    shipped = _SHIPPED.setdefault("head", logprobs._chunk_logprobs)
-    logprobs._chunk_logprobs = _chunk_logprobs_logsumexp if arm.endswith("_lse") else shipped
+    install(earlier=arm.endswith("_lse"))
     return arm.removesuffix("_lse")
 
 
