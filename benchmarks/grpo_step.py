@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from logprob_heads import use_logprob_head  # this script's directory (sys.path[0])
 
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet); ~790e12 measured on the device
 
@@ -126,13 +127,6 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
 def _engine_extras(args: argparse.Namespace) -> dict[str, Any] | None:
     """The vLLM ``LLM`` argument of --max-num-seqs (None: vLLM's default)."""
     return {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else None
-
-
-def use_logprob_head(earlier: bool) -> None:
-    """The shipped logprob head, or (``earlier``) the one before the twenty-second session."""
-    from logprob_heads import use_logprob_head as install  # this directory's, on sys.path (main)
-
-    install(earlier)
 
 
 ARM_KEYS = {
@@ -530,8 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--trl-mode", default="vllm", choices=["vllm", "hf", "hf_bf16"], help="TRL's generation path")
     args = p.parse_args(argv)
-    if args.sampler_logprobs_samples == "auto":
-        args.sampler_logprobs_samples = None if args.off_policy else 1
+    if args.sampler_logprobs_samples == "auto":  # as a run resolves it: off-policy's loss reads every sample's
+        from posttrain.config.schema import GRPOConfig
+
+        run_cfg = GRPOConfig()
+        run_cfg.rl.use_rollout_logprobs_for_loss = args.off_policy
+        args.sampler_logprobs_samples = run_cfg.sampler_logprobs_samples
     if args.off_policy and args.engine != "vllm":
         p.error("--off-policy needs --engine vllm (the transformers engine samples with the trained module)")
     if args.trl and not args.out:

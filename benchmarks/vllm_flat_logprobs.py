@@ -170,8 +170,9 @@ def main() -> None:
     def rollout_first_records() -> list[Any]:
         """As ``rollout.sampler_logprobs_samples=1`` sends them (``vllm_requests.call_requests``): each
         prompt's group as two requests, its first sample with flat logprobs, the others without."""
-        kw: dict[str, Any] = dict(max_tokens=a.tokens, min_tokens=a.tokens, temperature=1.0, detokenize=False)
-        kw |= dict(ignore_eos=True)
+        kw: dict[str, Any] = dict(
+            max_tokens=a.tokens, min_tokens=a.tokens, temperature=1.0, detokenize=False, ignore_eos=True
+        )
         params = []
         for i in range(a.prompts):
             params += [SamplingParams(n=1, seed=i, logprobs=0, flat_logprobs=True, **kw)]
