@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from logprob_heads import use_logprob_head  # this script's directory (sys.path[0])
+from logprob_heads import HEADS, use_logprob_head  # this script's directory (sys.path[0])
 
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet); ~790e12 measured on the device
 
@@ -140,8 +140,8 @@ ARM_KEYS = {
     "compile": lambda v: v in ("1", "true", "yes"),
     "fused_kernels": lambda v: v in ("1", "true", "yes"),  # turns them on (off cannot undo the patch)
     "cuda_graphs": lambda v: v in ("1", "true", "yes"),  # model.cuda_graphs, on or off per arm
-    # the logprob head before the twenty-second session (benchmarks/logprob_heads.py), on or off per arm
-    "logsumexp_head": lambda v: v in ("1", "true", "yes"),
+    # the logprob head per arm: shipped, log_softmax or logsumexp (benchmarks/logprob_heads.py)
+    "head": str,
 }
 
 
@@ -201,7 +201,7 @@ def run(
                 trainer.graphs = GraphedBody(split_body_and_head(trainer.model)[0], trainer.precision)
             elif not arm.cuda_graphs:
                 trainer.graphs = None  # its recorded graphs, and their memory pools, go
-            use_logprob_head(arm.logsumexp_head)
+            use_logprob_head(arm.head)
             cfg.rl.batch_per_replica = arm.prompts * arm.samples
             cfg.rl.micro_batch_per_replica = arm.micro_batch
             print(f"== arm {name}: {json.dumps({k: getattr(arm, k) for k in ARM_KEYS})}", flush=True)
@@ -467,9 +467,10 @@ def main(argv: list[str] | None = None) -> int:
         help="model.cuda_graphs: the policy body's forward and backward replayed as CUDA graphs per padded shape",
     )
     p.add_argument(
-        "--logsumexp-head",
-        action="store_true",
-        help="the logprob head before the twenty-second session (gather minus logsumexp; benchmarks/logprob_heads.py)",
+        "--head",
+        default="shipped",
+        choices=HEADS,
+        help="the policy's logprob head: as shipped, or an earlier one (benchmarks/logprob_heads.py)",
     )
     p.add_argument("--async-scheduling", action="store_true", help="vLLM async scheduling")
     p.add_argument("--off-policy", action="store_true", help="rl.max_off_policy_steps=1: sample k+1 while k trains")

@@ -1,9 +1,14 @@
-"""The policy's logprob head as it was before the twenty-second session, for before/after runs in one
-process (``update_precision.py``'s ``_lse`` arms, ``grpo_step.py``'s ``logsumexp_head`` arm key).
+"""The policy's earlier logprob heads, for before/after runs in one process (``update_precision.py``'s
+``_lse`` and ``_lsm`` arms, ``grpo_step.py``'s ``head`` arm key and ``--logprob-head``).
 
-``use_logprob_head(earlier)`` installs it in place of ``posttrain.policy.logprobs._chunk_logprobs`` (or
-puts the shipped one back): fp32 logits, their logsumexp and a gather, where the shipped head takes one
-fp32 ``log_softmax`` over the bf16 logits (docs/benchmarks.md, twenty-second session).
+``use_logprob_head(name)`` makes the trainer's chunks (``posttrain.policy.logprobs._chunk_logprobs``)
+go through one of ``HEADS`` from then on:
+
+- ``shipped``: as a run computes them (on CUDA the Triton kernels of ``policy/logprob_kernels.py``,
+  since the twenty-third session);
+- ``log_softmax``: one fp32 ``log_softmax`` over the bf16 logits and a gather (the twenty-second
+  session's head; the shipped path off CUDA): the Triton kernels reported unavailable;
+- ``logsumexp``: fp32 logits, their logsumexp and a gather (the head before the twenty-second session).
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from typing import Any
 
 import torch
 
-_SHIPPED: dict[str, Any] = {}  # the shipped head, kept before the earlier one replaces it
+HEADS = ("shipped", "log_softmax", "logsumexp")
+_SHIPPED: dict[str, Any] = {}  # the shipped functions, kept before an earlier head replaces them
 
 
 def chunk_logprobs_logsumexp(
@@ -27,9 +33,17 @@ def chunk_logprobs_logsumexp(
     return logits_CV.gather(-1, ids_CJ) - torch.logsumexp(logits_CV, dim=-1, keepdim=True)
 
 
-def use_logprob_head(earlier: bool) -> None:
-    """From now on the trainer's chunks go through the earlier head (``earlier``) or the shipped one."""
-    from posttrain.policy import logprobs
+def _never(logits: torch.Tensor) -> bool:
+    return False
 
+
+def use_logprob_head(name: str) -> None:
+    """From now on the trainer's chunks go through the head ``name`` (one of ``HEADS``)."""
+    from posttrain.policy import logprob_kernels, logprobs
+
+    if name not in HEADS:
+        raise SystemExit(f"unknown logprob head {name!r} (known: {', '.join(HEADS)})")
     shipped = _SHIPPED.setdefault("head", logprobs._chunk_logprobs)
-    logprobs._chunk_logprobs = chunk_logprobs_logsumexp if earlier else shipped
+    available = _SHIPPED.setdefault("available", logprob_kernels.available)
+    logprobs._chunk_logprobs = chunk_logprobs_logsumexp if name == "logsumexp" else shipped
+    logprob_kernels.available = _never if name == "log_softmax" else available

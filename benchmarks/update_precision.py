@@ -28,9 +28,11 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
 - ``mixed_cuda_graphs``: ``model.cuda_graphs=true``: the body's forward and backward recorded once per
   padded shape as two CUDA graphs, the bf16 casts inside the graph, the LM head, loss and optimizer
   eager (``models/cuda_graphs.py``; CUDA only). The other arms keep the eager body.
+- ``mixed_fused_cuda_graphs``: both, the fused kernels recorded into the body's graphs.
 - an arm name ending in ``_lse`` (``mixed_fused_lse``): that arm with the logprob head of before the
-  twenty-second session, ``gather(logits) - logsumexp(logits.float())`` per chunk instead of one fp32
-  ``log_softmax`` (``benchmarks/logprob_heads.py``), for the before/after in one process.
+  twenty-second session, ``gather(logits) - logsumexp(logits.float())`` per chunk; ending in ``_lsm``:
+  with the twenty-second session's, one fp32 ``log_softmax`` per chunk, instead of the shipped Triton
+  kernels on CUDA (``benchmarks/logprob_heads.py``), for the before/after in one process.
 
 ``--profile`` runs each arm's update once more under torch.profiler and prints the wall time against
 the GPU's busy time (kernel time summed), the kernels launched and the aten calls: an update whose
@@ -95,11 +97,14 @@ def make_batch(prompts: int, completion_len: int, prompt_len: int = PROMPT_LEN) 
 
 
 def use_logprob_head(arm: str) -> str:
-    """Install the arm's logprob head (``_lse``: the earlier one, else the shipped one); the base arm."""
+    """Install the arm's logprob head (``_lse``: logsumexp, ``_lsm``: log_softmax, else the shipped
+    one); the base arm."""
     from logprob_heads import use_logprob_head as install  # this directory's, on sys.path (main)
 
-    install(earlier=arm.endswith("_lse"))
-    return arm.removesuffix("_lse")
+    suffixes = {"_lse": "logsumexp", "_lsm": "log_softmax"}
+    suffix = next((s for s in suffixes if arm.endswith(s)), None)
+    install(suffixes[suffix] if suffix else "shipped")
+    return arm.removesuffix(suffix) if suffix else arm
 
 
 def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "auto") -> Any:
@@ -115,7 +120,7 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
     cfg.rl.optimizer.lr, cfg.rl.kl_beta = 1e-6, 0.0
     cfg.rollout.max_tokens = args.completion_len
     cfg.model.compile = arm == "mixed_compiled"
-    cfg.model.cuda_graphs = arm == "mixed_cuda_graphs"
+    cfg.model.cuda_graphs = arm in ("mixed_cuda_graphs", "mixed_fused_cuda_graphs")
     cfg.model.share_prompt_prefix = {"auto": "auto", "on": True, "off": False}[share]
     trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=0)
     if arm == "mixed_body_compiled":
@@ -132,7 +137,7 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
             return torch.autocast(device.type, dtype=torch.bfloat16)
 
         trainer._compute = autocast  # type: ignore[method-assign]  # the replaced path, for the before/after
-    elif arm == "mixed_fused":  # model.fused_kernels: Liger-Kernel's RMSNorm, SwiGLU, RoPE
+    elif arm in ("mixed_fused", "mixed_fused_cuda_graphs"):  # model.fused_kernels: Liger's RMSNorm, SwiGLU, RoPE
         from posttrain.models.fused_kernels import apply_fused_kernels
 
         apply_fused_kernels(model)

@@ -63,7 +63,7 @@ class DropCompileWarningsOf(logging.Filter):
 
     def __init__(self, kernel_names: frozenset[str]):
         super().__init__()
-        self.kernel_names = kernel_names
+        self.kernel_names = set(kernel_names)
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
@@ -82,11 +82,14 @@ def liger_kernel_names() -> frozenset[str]:
 
 
 def drop_vllm_compile_warnings(kernel_names: frozenset[str]) -> None:
-    """Keep vLLM's JIT monitor quiet about ``kernel_names`` in this process (a filter on its logger
-    under each of its names, once)."""
+    """Keep vLLM's JIT monitor quiet about ``kernel_names`` in this process: one filter on its logger
+    under each of its names, to which later calls add their names (Liger's kernels, the logprob head's)."""
     for name in VLLM_JIT_LOGGERS:
         jit_log = logging.getLogger(name)
-        if not any(isinstance(f, DropCompileWarningsOf) for f in jit_log.filters):
+        installed = [f for f in jit_log.filters if isinstance(f, DropCompileWarningsOf)]
+        if installed:
+            installed[0].kernel_names |= kernel_names
+        else:
             jit_log.addFilter(DropCompileWarningsOf(kernel_names))
 
 
