@@ -1,13 +1,13 @@
-"""The policy's earlier logprob heads, for before/after runs in one process (``update_precision.py``'s
-``_lse`` and ``_lsm`` arms, ``grpo_step.py``'s ``head`` arm key and ``--logprob-head``).
+"""The policy's logprob heads, for before/after runs in one process (``update_precision.py``'s ``_trt``
+and ``_lse`` arms, ``grpo_step.py``'s ``head`` arm key and ``--head``).
 
 ``use_logprob_head(name)`` makes the trainer's chunks (``posttrain.policy.logprobs._chunk_logprobs``)
-go through one of ``HEADS`` from then on:
+go through one of ``HEADS`` from then on, whatever ``model.triton_logprob_head`` says:
 
-- ``shipped``: as a run computes them (on CUDA the Triton kernels of ``policy/logprob_kernels.py``,
-  since the twenty-third session);
-- ``log_softmax``: one fp32 ``log_softmax`` over the bf16 logits and a gather (the twenty-second
-  session's head; the shipped path off CUDA): the Triton kernels reported unavailable;
+- ``log_softmax``: one fp32 ``log_softmax`` over the bf16 logits and a gather (the default since the
+  twenty-second session);
+- ``triton``: on CUDA the two Triton kernels of ``policy/logprob_kernels.py`` (``model.triton_logprob_head``,
+  twenty-third session; elsewhere the same as ``log_softmax``);
 - ``logsumexp``: fp32 logits, their logsumexp and a gather (the head before the twenty-second session).
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-HEADS = ("shipped", "log_softmax", "logsumexp")
-_SHIPPED: dict[str, Any] = {}  # the shipped functions, kept before an earlier head replaces them
+HEADS = ("log_softmax", "triton", "logsumexp")
+_SHIPPED: dict[str, Any] = {}  # the shipped chunk function, kept before the logsumexp head replaces it
 
 
 def chunk_logprobs_logsumexp(
@@ -33,10 +33,6 @@ def chunk_logprobs_logsumexp(
     return logits_CV.gather(-1, ids_CJ) - torch.logsumexp(logits_CV, dim=-1, keepdim=True)
 
 
-def _never(logits: torch.Tensor) -> bool:
-    return False
-
-
 def use_logprob_head(name: str) -> None:
     """From now on the trainer's chunks go through the head ``name`` (one of ``HEADS``)."""
     from posttrain.policy import logprob_kernels, logprobs
@@ -44,6 +40,9 @@ def use_logprob_head(name: str) -> None:
     if name not in HEADS:
         raise SystemExit(f"unknown logprob head {name!r} (known: {', '.join(HEADS)})")
     shipped = _SHIPPED.setdefault("head", logprobs._chunk_logprobs)
-    available = _SHIPPED.setdefault("available", logprob_kernels.available)
     logprobs._chunk_logprobs = chunk_logprobs_logsumexp if name == "logsumexp" else shipped
-    logprob_kernels.available = _never if name == "log_softmax" else available
+
+    def triton_if_available(head: Any, logits: torch.Tensor) -> bool:
+        return name == "triton" and logprob_kernels.available(logits)
+
+    logprob_kernels.enabled_for = triton_if_available

@@ -78,11 +78,11 @@
 #   updprof  the update's GPU time by kernel and operator at W (0.4B) and 1.5B; no vLLM kit (carry .whl only)
 #   head22  the one-log_softmax logprob head: its GPU test, the update with it against the logsumexp head (0.4B, 1.5B)
 #   head23  W in whole steps with that head against the logsumexp one (interleaved), then the small job (not yet run)
-#   head24a the Triton logprob head (twenty-third session): the GPU tests that take it, then the update with it
-#           against the log_softmax head and with the body's CUDA graphs (0.4B, 1.5B); no vLLM kit (carry .whl)
-#   head24  W in whole steps, the Triton head against the log_softmax one interleaved, then with the body's
-#           CUDA graphs; the small job as shipped
-#   big24   the 1.5B shape in whole steps with the Triton head (no TRL: the twenty-second session's 7.10 s stands)
+#   head24a model.triton_logprob_head (twenty-third session, not yet run): its GPU tests, then the update with
+#           it against the default log_softmax head and with the body's CUDA graphs (0.4B, 1.5B); no vLLM kit
+#   head24  W in whole steps, the Triton head against the default interleaved, then with the body's CUDA
+#           graphs; the small job as shipped (not yet run)
+#   big24   the 1.5B shape in whole steps, the Triton head against the default (no TRL; not yet run)
 #   lease21s the small job as shipped, then TRL's small task (one call; a fresh machine converts the SmolLM2 first)
 #   table  the tables from /tmp/sbs
 #
@@ -646,19 +646,19 @@ case "${1:-}" in
   head23)
     # the next lease's measurement of the twenty-second session's logprob head in whole steps: W with it
     # against the logsumexp head before it, interleaved in one process on one engine (grpo_step.py's
-    # logsumexp_head arm key), then the small job as shipped (the new head only)
+    # head=logsumexp arm key), then the small job as shipped (the new head only)
     environment
     device_info
     model 0.5b /tmp/m05
     step w_head 400 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/samples_head" \
-      --arms "n1:steps=4;l1:steps=4,logsumexp_head=1;n2:steps=4;l2:steps=4,logsumexp_head=1;n3:steps=4"
+      --arms "n1:steps=4;l1:steps=4,head=logsumexp;n2:steps=4;l2:steps=4,head=logsumexp;n3:steps=4"
     pack
     small_job small_shipped 150
     pack ;;
   head24a)
-    # the twenty-third session's Triton logprob head (policy/logprob_kernels.py): the GPU tests whose
-    # heads now take it, then the update alone with it against the twenty-second session's log_softmax
-    # head, alternating in one process, and with the body's CUDA graphs on top (model.cuda_graphs=true):
+    # the twenty-third session's Triton logprob head (model.triton_logprob_head, policy/logprob_kernels.py):
+    # its GPU tests, then the update alone with it against the default log_softmax head, alternating in
+    # one process, and with the body's CUDA graphs on top (model.cuda_graphs=true):
     # W's (0.4B, micro-batches of 64, profiled: GPU busy time) and the 1.5B shape's (micro-batches of
     # 32). Like updprof, no vLLM kit (carry [".whl"])
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sitekf .whl/*.whl || exit 1
@@ -672,32 +672,33 @@ case "${1:-}" in
     echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/head24a_gpu.log" | tail -12 | cut -c1-300
     pack
     timeout 220 python3 benchmarks/update_precision.py --shapes 0.5b --share off --repeats 4 --micro-batch 64 --profile \
-      --arms mixed_fused_lsm,mixed_fused,mixed_fused_lsm,mixed_fused,mixed_fused_cuda_graphs \
+      --arms mixed_fused,mixed_fused_trt,mixed_fused,mixed_fused_trt,mixed_fused_cuda_graphs \
       --out "$R/head24/0.5b.json" >"$R/head24/0.5b.log" 2>&1
     echo "head24a 0.5b rc=$?"; grep -E "update|profiled:|Error" "$R/head24/0.5b.log" | cut -c1-230
     pack
     timeout 200 python3 benchmarks/update_precision.py --shapes 1.5b --share off --repeats 3 --micro-batch 32 \
-      --arms mixed_fused_lsm,mixed_fused,mixed_fused_cuda_graphs --out "$R/head24/1.5b.json" >"$R/head24/1.5b.log" 2>&1
+      --arms mixed_fused,mixed_fused_trt,mixed_fused_cuda_graphs --out "$R/head24/1.5b.json" >"$R/head24/1.5b.log" 2>&1
     echo "head24a 1.5b rc=$?"; grep -E "update|Error" "$R/head24/1.5b.log" | cut -c1-230
     pack ;;
   head24)
-    # W in whole steps with the Triton head (t) against the log_softmax head (s), interleaved in one
+    # W in whole steps with the Triton head (t) against the default log_softmax head (s), interleaved in one
     # process on one engine (grpo_step.py's head arm key), then with the body's CUDA graphs (g) against
     # the shipped eager body; then the small job as shipped
     environment
     device_info
     model 0.5b /tmp/m05
     step w_head24 420 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/samples_head24" \
-      --arms "t1:steps=4;s1:steps=4,head=log_softmax;t2:steps=4;s2:steps=4,head=log_softmax;t3:steps=4;\
-g1:steps=4,cuda_graphs=1;t4:steps=4;g2:steps=4,cuda_graphs=1"
+      --arms "t1:steps=4,head=triton;s1:steps=4;t2:steps=4,head=triton;s2:steps=4;t3:steps=4,head=triton;\
+g1:steps=4,cuda_graphs=1;s3:steps=4;g2:steps=4,cuda_graphs=1"
     pack
     small_job small_shipped 150
     pack ;;
   big24)
-    # the 1.5B shape in whole steps with the Triton head, as shipped
+    # the 1.5B shape in whole steps with the Triton head (model.triton_logprob_head) and without
     environment
     model 1.5b /tmp/m15
-    step w15 200 --model /tmp/m15 --micro-batch 32 --steps 6 --out "$R/w15.json"
+    step w15_head24 300 --model /tmp/m15 --micro-batch 32 --out-dir "$R/samples_w15_head24" \
+      --arms "t1:steps=4,head=triton;s1:steps=4;t2:steps=4,head=triton;s2:steps=4"
     pack ;;
   lease21s)
     # the small job as shipped, then TRL's GRPOTrainer on the same task (its converted SmolLM2), one call

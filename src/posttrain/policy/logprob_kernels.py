@@ -18,8 +18,12 @@ in fp32 per element, rounded once to the logits' dtype, as the torch path's fina
 ``[C, V]`` fp32 tensor exists on this path. Values agree with the torch path to fp32 rounding; the GPU
 tests check both against float64 (``tests/gpu/test_logprob_head_gpu.py``).
 
-Triton comes with CUDA builds of torch; without it (or off CUDA) the torch path runs. ``triton`` is
-imported only when a CUDA chunk first asks (``available``), so CPU installs never touch it.
+``model.triton_logprob_head=true`` (off by default until measured on a GPU) marks the policy's head
+(``use_triton_head``; the KL reference's too, so the two agree to the bit before the first update), and
+``_chunk_logprobs`` takes these kernels for a marked head's CUDA logits (``enabled_for``). Triton comes
+with CUDA builds of torch; it is imported only when a CUDA chunk first asks, so CPU installs never
+touch it (the preflight refuses the knob off CUDA or without Triton). On the CPU the kernels run in
+Triton's interpreter for the tests (``tests/unit/test_logprob_kernels.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import functools
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from posttrain.models.fused_kernels import drop_vllm_compile_warnings
 
@@ -102,6 +106,28 @@ def _kernels() -> tuple[Any, Any] | None:
 def available(logits: Tensor) -> bool:
     """Whether ``target_logprobs`` runs for these logits: CUDA, a float dtype, and Triton importable."""
     return logits.is_cuda and logits.is_floating_point() and _kernels() is not None
+
+
+_MARK = "posttrain_triton_logprobs"  # set on a head module whose chunks take these kernels
+
+
+def mark_head(head: nn.Module, on: bool) -> None:
+    """From now on ``head``'s CUDA chunks take these kernels (``on``) or the fp32 ``log_softmax``."""
+    setattr(head, _MARK, on)
+
+
+def use_triton_head(*models: nn.Module | None, on: bool) -> None:
+    """``model.triton_logprob_head``: mark (or unmark) each model's LM head for these kernels."""
+    from posttrain.models.structure import split_body_and_head
+
+    for model in models:
+        if model is not None:
+            mark_head(split_body_and_head(model)[1], on)
+
+
+def enabled_for(head: nn.Module, logits: Tensor) -> bool:
+    """Whether ``head``'s chunk of ``logits`` goes through these kernels: marked, and ``available``."""
+    return bool(getattr(head, _MARK, False)) and available(logits)
 
 
 def logsumexp_rows(logits_CV: Tensor, temperature: float) -> Tensor:

@@ -2,10 +2,10 @@
 
 The model's body runs once over the batch (padded or packed, ``policy/batching.py``); only the
 hidden states that predict completion tokens are kept, and the LM head is applied to them
-``chunk_tokens`` rows at a time. Each chunk computes its tokens' fp32 log-probabilities (Triton
-kernels on CUDA, an fp32 log-softmax and a gather elsewhere) and is wrapped in activation
+``chunk_tokens`` rows at a time. Each chunk computes an fp32 log-softmax of its logits and a gather
+(or, with ``model.triton_logprob_head`` on CUDA, two Triton kernels), and is wrapped in activation
 checkpointing so that backward recomputes that chunk's logits instead of keeping them: peak memory
-holds one chunk's ``[chunk_tokens, V]`` logits (and their gradient), never ``[B, L, V]``.
+holds one chunk's ``[chunk_tokens, V]`` tensors (and their gradient), never ``[B, L, V]``.
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ def _chunk_logprobs(
 ) -> Tensor:
     """log p(ids_CJ[c, j]) under ``softmax(head(hidden_CH[c]) / temperature)``, in fp32.
 
-    On CUDA, two Triton kernels (``policy/logprob_kernels.py``): the forward reads the head's logits
-    once for their log-sum-exp, the backward once more for their gradient, in the logits' dtype; no
-    fp32 ``[C, V]`` tensor. Elsewhere one ``log_softmax`` that reads the head's logits and computes and
-    writes in fp32, then a gather: one kernel over ``[C, V]`` each way plus the gather's scatter, and
-    the fp32 gradient cast back. ``gather(logits) - logsumexp(logits.float())``, the same value, took
-    about five passes over the chunk's fp32 logits forward and seven backward: about a quarter of the
-    GPU time of W's update on an H100 (docs/benchmarks.md, twenty-second and twenty-third sessions)."""
+    One ``log_softmax`` that reads the head's (bf16) logits and computes and writes in fp32, then a
+    gather: one kernel over ``[C, V]`` each way plus the gather's scatter, and the fp32 gradient cast
+    back. ``gather(logits) - logsumexp(logits.float())``, the same value, took about five passes over
+    the chunk's fp32 logits forward and seven backward: about a quarter of the GPU time of W's update
+    on an H100 (docs/benchmarks.md, twenty-second session). With ``model.triton_logprob_head`` a CUDA
+    chunk takes two Triton kernels instead (``policy/logprob_kernels.py``): the forward reads the
+    logits once for their log-sum-exp, the backward once more for their gradient, with no fp32
+    ``[C, V]`` tensor."""
     logits_CV = head(hidden_CH)
-    if softcap is None and logprob_kernels.available(logits_CV):
+    if softcap is None and logprob_kernels.enabled_for(head, logits_CV):
         return logprob_kernels.target_logprobs(logits_CV, ids_CJ, temperature)
     if softcap is None and temperature == 1.0:
         logprobs_CV = torch.log_softmax(logits_CV, dim=-1, dtype=torch.float32)  # upcasts, then computes

@@ -35,17 +35,13 @@ from posttrain.policy.images import (
     vl_completion_logprobs,
     vl_completion_logprobs_at,
 )
+from posttrain.policy.logprob_kernels import use_triton_head
 from posttrain.policy.logprobs import BodyForward, check_packing_isolates, completion_logprobs
 from posttrain.policy.objective import Objective, objective_spec
 from posttrain.policy.optim import build_optimizer, build_scheduler
 from posttrain.policy.reference import build_reference
 from posttrain.policy.routing import RoutingReplay
-from posttrain.policy.shared_prefix import (
-    GroupedBatch,
-    build_grouped_batch,
-    grouped_completion_logprobs,
-    sharing_pays,
-)
+from posttrain.policy.shared_prefix import GroupedBatch, build_grouped_batch, grouped_completion_logprobs, sharing_pays
 from posttrain.policy.train_batch import (
     TrainBatch,
     pad_rows,
@@ -111,6 +107,7 @@ class PolicyTrainer:
             apply_fused_kernels(model)
             if ref_model is not None and fusable(ref_model):  # the same kernels: equal logprobs at step 0
                 apply_fused_kernels(ref_model)
+        use_triton_head(model, ref_model, on=cfg.model.triton_logprob_head)  # policy/logprob_kernels.py
         if cfg.model.sequence_packing:
             check_packing_isolates(model)
         ref = ref_model is not None and objective.reference_logprobs  # model.cuda_graphs: models/cuda_graphs.py

@@ -2,8 +2,8 @@
 the objective knobs both have, the rollout engine and weight sync, off-policy sampling, run naming
 and resume, the prompt source (and the arithmetic template, tried with values of the right types)
 and the reward's inputs, the model directory or hub id (``preflight/paths.py``, with the other
-file-system checks), ``model.fused_kernels`` (``preflight/fused_kernels.py``) and ``model.cuda_graphs``
-(``preflight/cuda_graphs.py``).
+file-system checks), ``model.fused_kernels`` and ``model.triton_logprob_head``
+(``preflight/fused_kernels.py``) and ``model.cuda_graphs`` (``preflight/cuda_graphs.py``).
 
 ``run_checks`` runs them in the one order both preflights report in, with the algorithm's own
 objective checks (``preflight/grpo.py``, ``preflight/opd.py``) after the batch checks. Nothing here
@@ -25,7 +25,7 @@ from posttrain.models.precision import precision_conflict
 from posttrain.preflight.cuda_graphs import check_cuda_graphs
 from posttrain.preflight.eval import check_eval
 from posttrain.preflight.findings import Findings
-from posttrain.preflight.fused_kernels import check_fused_kernels
+from posttrain.preflight.fused_kernels import check_fused_kernels, check_triton_logprob_head
 from posttrain.preflight.grid import check_grid
 from posttrain.preflight.lora import check_lora
 from posttrain.preflight.paths import check_model_path, check_resume, check_run_dir
@@ -345,6 +345,7 @@ def run_checks(cfg: ConfigT, objective_checks: Sequence[Callable[[ConfigT, Findi
     check_vision_policy(cfg, findings)
     cuda_major = _torch_cuda_major()
     check_fused_kernels(cfg, findings, cuda_major=cuda_major)
+    check_triton_logprob_head(cfg, findings, cuda_major=cuda_major)
     check_cuda_graphs(cfg, findings, cuda_major=cuda_major)
     conflict = precision_conflict(cfg.model.dtype, cfg.model.compute_dtype)  # contradictory dtypes, by name
     if conflict is not None:

@@ -11,10 +11,15 @@
   Liger's autograd functions has not run here;
 * not with LoRA: peft's wrapped projections under Liger's SwiGLU have not run here.
 
+And the ``model.triton_logprob_head=true`` rules (``policy/logprob_kernels.py``): a CUDA policy, and
+Triton installed (CUDA builds of torch ship it; found without importing it).
+
 Nothing here imports torch.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 from posttrain.config.schema import ModelConfig, RunConfig
 from posttrain.models.fused_kernels import FUSED_MODEL_TYPES, INSTALL_HINT, liger_installed
@@ -57,3 +62,14 @@ def check_fused_kernels(cfg: RunConfig, out: Findings, cuda_major: int | None) -
             f"{head}: {found[0]} has model_type {model_type!r}; posttrain patches "
             f"{', '.join(FUSED_MODEL_TYPES)} only; {OFF}"
         )
+
+
+def check_triton_logprob_head(cfg: RunConfig, out: Findings, cuda_major: int | None) -> None:
+    """``cuda_major``: the CUDA major version torch is built for, None for a CPU build."""
+    if not cfg.model.triton_logprob_head:
+        return
+    head, off = "model.triton_logprob_head=true", "set model.triton_logprob_head=false"
+    if (where := policy_off_cuda(cfg.model, cuda_major)) is not None:
+        out.errors.append(f"{head} runs Triton kernels on CUDA only, but {where}; {off}")
+    elif importlib.util.find_spec("triton") is None:
+        out.errors.append(f"{head} needs Triton, which is not installed (CUDA builds of torch ship it); {off}")

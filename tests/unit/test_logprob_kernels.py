@@ -1,0 +1,98 @@
+"""``model.triton_logprob_head`` on a machine without a GPU (``policy/logprob_kernels.py``).
+
+The two Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``: the same kernel code over
+CPU tensors, in a process of its own, ``logprob_kernels_interpreted.py``; vLLM's CPU build brings
+Triton, and ``scripts/test.sh`` makes sure of it), against float64 references: the log-sum-exp forward
+and the gradient backward, with several ids per row, repeated ids, a temperature, and vocabularies
+across the kernels' block size. Then the knob: the preflight refuses it off CUDA by
+name, the trainer marks the policy's and the reference's heads, and a marked head's CPU chunks keep
+the fp32 ``log_softmax``. The compiled kernels run in ``tests/gpu/test_logprob_head_gpu.py``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.config.loading import build_config
+from posttrain.models.structure import split_body_and_head
+from posttrain.policy import logprob_kernels
+from posttrain.policy.logprobs import chunked_head_logprobs
+from posttrain.preflight import fused_kernels as preflight
+from posttrain.preflight.findings import Findings
+from posttrain.preflight.grpo import grpo_preflight
+
+sys.path.insert(0, str(Path(__file__).parent))
+from logprob_kernels_interpreted import CASES
+
+ON = "model.triton_logprob_head=true"
+
+
+def test_the_kernels_match_float64_in_tritons_interpreter() -> None:
+    """Values within 1e-5 and bf16 gradients within half an ulp of float64, for every case of
+    ``logprob_kernels_interpreted.CASES`` and a row whose maximum grows across blocks (that module, in a
+    process of its own: the interpreter must be on before Triton is first imported)."""
+    pytest.importorskip("triton", reason="Triton comes with vLLM's CPU build, which scripts/test.sh installs")
+    script = Path(__file__).with_name("logprob_kernels_interpreted.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script)], check=False, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count("ok ") == len(CASES) + 1, proc.stdout
+
+
+def test_no_chunk_on_the_cpu_takes_the_kernels(tiny_model_dir: str) -> None:
+    """A marked head's CPU logits keep the fp32 log_softmax: the kernels are for CUDA tensors."""
+    head = torch.nn.Linear(8, 50, bias=False)
+    logprob_kernels.mark_head(head, True)
+    assert not logprob_kernels.enabled_for(head, torch.zeros(2, 50))
+    hidden = torch.randn(5, 8)
+    ids = torch.randint(50, (5, 1))
+    out = chunked_head_logprobs(hidden, ids, head, temperature=1.0, softcap=None, chunk_tokens=16)
+    assert torch.equal(out, torch.log_softmax(head(hidden), dim=-1).gather(-1, ids))
+
+
+def test_the_trainer_marks_the_policy_and_reference_heads(tiny_model_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.policy.objective import grpo_objective
+    from posttrain.policy.trainer import PolicyTrainer
+
+    for on in (True, False):
+        cfg = build_config(None, [f"model.triton_logprob_head={str(on).lower()}", "rl.kl_beta=0.1"])
+        policy, reference = (AutoModelForCausalLM.from_pretrained(tiny_model_dir) for _ in range(2))
+        PolicyTrainer(policy, cfg, objective=grpo_objective(cfg), pad_id=0, ref_model=reference)
+        for model in (policy, reference):
+            assert getattr(split_body_and_head(model)[1], logprob_kernels._MARK) is on
+
+
+def _errors(*overrides: str, cuda_major: int | None) -> list[str]:
+    findings = Findings()
+    preflight.check_triton_logprob_head(build_config(None, list(overrides)), findings, cuda_major=cuda_major)
+    return findings.errors
+
+
+def test_the_preflight_refuses_it_off_cuda_and_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert build_config(None, []).model.triton_logprob_head is False
+    assert _errors("model.device=cpu", cuda_major=None) == []  # off: nothing to check
+    assert _errors(ON, "model.device=cpu", cuda_major=13) == [
+        "model.triton_logprob_head=true runs Triton kernels on CUDA only, but model.device=cpu; "
+        "set model.triton_logprob_head=false"
+    ]
+    (error,) = _errors(ON, cuda_major=None)
+    assert "but model.device=auto means the CPU (torch is a CPU build)" in error
+    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: None)
+    assert _errors(ON, "model.device=cuda", cuda_major=13) == [
+        "model.triton_logprob_head=true needs Triton, which is not installed (CUDA builds of torch ship it); "
+        "set model.triton_logprob_head=false"
+    ]
+
+
+def test_the_run_preflight_reports_it_before_any_model_loads(model_dir: Path) -> None:
+    errors = grpo_preflight(build_config(None, [ON, f"model.name_or_path={model_dir}", "model.device=cpu"])).errors
+    assert any("model.triton_logprob_head=true runs Triton kernels on CUDA only" in e for e in errors), errors
