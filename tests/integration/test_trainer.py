@@ -309,7 +309,8 @@ def _tied_batch() -> TrainBatch:
 
 
 def _update(model_dir: str, overrides: list[str], *, split: bool = True, objective_loss=None):  # type: ignore[no-untyped-def]
-    """One ``train_on``: the weights after it, its metrics and the body's forwards as (rows, grad)."""
+    """One ``train_on``: the weights after it, its metrics and the body's forwards as (rows, grad);
+    the gradients the optimizer stepped with land in ``_update.grads``."""
     torch.manual_seed(0)
     cfg = build_config(None, [*COMMON, *overrides])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -326,7 +327,14 @@ def _update(model_dir: str, overrides: list[str], *, split: bool = True, objecti
         with_kwargs=True,
     )
     trainer = PolicyTrainer(model, cfg, objective=objective, pad_id=2, ref_model=reference)
+    grads: list[torch.Tensor] = []
+
+    def keep_grads(*_: object) -> None:
+        grads[:] = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+    trainer.optimizer.register_step_pre_hook(keep_grads)
     metrics = trainer.train_on(_tied_batch(), step=1)
+    _update.grads = grads  # type: ignore[attr-defined]
     return [p.detach().clone() for p in model.parameters()], metrics, forwards
 
 
@@ -348,7 +356,9 @@ def test_tied_groups_skip_the_backward_and_leave_the_update_as_it_was(
     tiny_model_dir: str, overrides: list[str]
 ) -> None:
     plain, plain_metrics, plain_forwards = _update(tiny_model_dir, overrides, split=False)
+    plain_grads = _update.grads  # type: ignore[attr-defined]
     split, metrics, forwards = _update(tiny_model_dir, overrides)
+    split_grads = _update.grads  # type: ignore[attr-defined]
     packed = "model.sequence_packing=true" in overrides
     if packed:  # the packing probe's two forwards at construction (check_packing_isolates)
         plain_forwards, forwards = plain_forwards[2:], forwards[2:]
@@ -359,6 +369,10 @@ def test_tied_groups_skip_the_backward_and_leave_the_update_as_it_was(
     elif "model.share_prompt_prefix=false" in overrides:  # one body forward per pass: its rows are the pass's
         assert sum(rows for rows, grad in forwards if not grad) == 8  # the two tied groups
         assert sum(rows for rows, grad in forwards if grad) == 8
+    # the gradients the optimizer stepped with: the same up to fp32 sums in another order
+    assert len(plain_grads) == len(split_grads) > 0
+    for a, b in zip(plain_grads, split_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
     # AdamW normalises each element's step, so an element whose gradient is near zero moves by up to
     # lr x its relative rounding: fp32 sums in another order alone (the same plain update through the
     # logsumexp logprob head and through today's log_softmax one) move one weight in millions by 2.6e-5
