@@ -9,8 +9,9 @@ for ours, TRL's own median of its steps 2-4. ``--dir`` reads what ``benchmarks/s
 there: ``w/*.json`` (workload W's arms and the growth arms), ``w_offpolicy.json``, ``w15.json``,
 ``w135.json``, ``w3b.json``, ``p128_seqs512.json``, ``trl_*.json``, ``small*.metrics.jsonl`` and ``trl_small.log``;
 the seventeenth session's ``hostcosts`` parts: ``flat_logprobs.json``, ``flat/*.json``,
-``w_offpolicy_plan.json`` and ``w_offpolicy_graphs.json``; and ``samples/*.json`` (part ``samples21``;
-its repeats as ``samples_<tag>/*.json``).
+``w_offpolicy_plan.json`` and ``w_offpolicy_graphs.json``; ``samples/*.json`` (part ``samples21``;
+its repeats and later interleaved parts as ``samples_<tag>/*.json``); and the update alone,
+``head24/``, ``head22/`` and ``updprof/`` (``update_precision.py``'s JSON per shape).
 """
 
 from __future__ import annotations
@@ -170,6 +171,28 @@ def host_costs_table(r: Path) -> str:
     return "\n\n".join(parts)
 
 
+UPDATE_DIRS = ("head24", "head22", "updprof")  # update_precision.py's JSON per shape (parts head24a, head22, updprof)
+
+
+def update_table(r: Path) -> str:
+    """The update alone, per arm in the order it ran (``update_precision.py --out``): median, MFU and,
+    where profiled, the GPU's busy time; the parts ``head24a``, ``head22`` and ``updprof`` write them."""
+    lines = [
+        "| part | shape | arm | update | MFU | GPU busy (profiled) | peak alloc |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for part in UPDATE_DIRS:
+        for path in sorted((r / part).glob("*.json")):
+            for res in _load(path)["results"]:
+                prof = res.get("profile")
+                busy = f"{1e3 * prof['gpu_busy_s']:.0f} of {1e3 * prof['wall_s']:.0f} ms" if prof else ""
+                lines.append(
+                    f"| {part} | {res['shape']} | {res['arm']} | {res['median_s']:.3f} s | {100 * res['mfu']:.1f} % | "
+                    f"{busy} | {res['peak_alloc_gib']:.1f} GiB |"
+                )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def dir_tables(r: Path) -> str:
     parts = []
     w = sorted((r / "w").glob("*.json"), key=lambda p: p.stat().st_mtime) if (r / "w").exists() else []
@@ -189,6 +212,8 @@ def dir_tables(r: Path) -> str:
     parts.append("## The default recipe's small step\n\n" + small_table(r))
     if host := host_costs_table(r):
         parts.append("## Host costs: flat logprobs, the engine apart's sync, off-policy in one process\n\n" + host)
+    if update := update_table(r):
+        parts.append("## The update alone (update_precision.py)\n\n" + update)
     return "\n\n".join(parts)
 
 

@@ -674,11 +674,11 @@ case "${1:-}" in
     timeout 220 python3 benchmarks/update_precision.py --shapes 0.5b --share off --repeats 4 --micro-batch 64 --profile \
       --arms mixed_fused,mixed_fused_trt,mixed_fused,mixed_fused_trt,mixed_fused_cuda_graphs \
       --out "$R/head24/0.5b.json" >"$R/head24/0.5b.log" 2>&1
-    echo "head24a 0.5b rc=$?"; grep -E "update|profiled:|Error" "$R/head24/0.5b.log" | cut -c1-230
+    echo "head24a 0.5b rc=$?"; grep -E "update|profiled:|left allocated|Error" "$R/head24/0.5b.log" | cut -c1-230
     pack
     timeout 200 python3 benchmarks/update_precision.py --shapes 1.5b --share off --repeats 3 --micro-batch 32 \
       --arms mixed_fused,mixed_fused_trt,mixed_fused_cuda_graphs --out "$R/head24/1.5b.json" >"$R/head24/1.5b.log" 2>&1
-    echo "head24a 1.5b rc=$?"; grep -E "update|Error" "$R/head24/1.5b.log" | cut -c1-230
+    echo "head24a 1.5b rc=$?"; grep -E "update|left allocated|Error" "$R/head24/1.5b.log" | cut -c1-230
     pack ;;
   head24)
     # W in whole steps with the Triton head (t) against the default log_softmax head (s), interleaved in one

@@ -56,6 +56,7 @@ No rollout engine: the update does not depend on it (the W step's other parts ar
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -254,7 +255,12 @@ def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto")
         print(prof["ops_table"], flush=True)
     del trainer, model
     if args.device == "cuda":
+        # the 1.5B arms' peaks grew by about 4 GiB an arm on 2026-12-05 (both heads alike): collect any
+        # cycle that still holds the arm's tensors, and record what stays allocated after it
+        gc.collect()
         torch.cuda.empty_cache()
+        result["left_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
+        print(f"      left allocated after the arm: {result['left_allocated_gib']:.2f} GiB", flush=True)
         torch.cuda.reset_peak_memory_stats()
     return result
 
