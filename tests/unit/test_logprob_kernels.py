@@ -4,9 +4,10 @@ The two Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``: the 
 CPU tensors, in a process of its own, ``logprob_kernels_interpreted.py``; vLLM's CPU build brings
 Triton, and ``scripts/test.sh`` makes sure of it), against float64 references: the log-sum-exp forward
 and the gradient backward, with several ids per row, repeated ids, a temperature, and vocabularies
-across the kernels' block size. Then the knob: the preflight refuses it off CUDA by
-name, the trainer marks the policy's and the reference's heads, and a marked head's CPU chunks keep
-the fp32 ``log_softmax``. The compiled kernels run in ``tests/gpu/test_logprob_head_gpu.py``."""
+across the kernels' block size; and they compile for an sm_90 GPU here, without one. Then the knob:
+the preflight refuses it off CUDA by name, the trainer marks the policy's and the reference's heads,
+and a marked head's CPU chunks keep the fp32 ``log_softmax``. The compiled kernels run in
+``tests/gpu/test_logprob_head_gpu.py``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +46,48 @@ def test_the_kernels_match_float64_in_tritons_interpreter() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("ok ") == len(CASES) + 1, proc.stdout
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_the_kernels_compile_for_hopper(dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the interpreter cannot show: both kernels go through Triton's compiler to an sm_90 (H100/H200)
+    binary here, without a GPU (Triton ships ptxas), for each logits dtype and for one and three ids per
+    row, with the argument types and the alignment a launch gives them when the vocabulary is a multiple
+    of 16 (151,936, 128,256, 49,152 ...): then the logits are read and the gradient written 16 bytes at a
+    time, and a bf16 gradient is stored rounded to nearest."""
+    triton = pytest.importorskip("triton", reason="Triton comes with vLLM's CPU build, which scripts/test.sh installs")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns while it is unset
+    kernels = logprob_kernels._kernels()
+    assert kernels is not None
+    target = GPUTarget("cuda", 90, 32)
+    scalars = {"row_stride": "i32", "vocab": "i32", "temperature": "fp32"}
+    pointers = {"logits_ptr": f"*{dtype}", "lse_ptr": "*fp32", "ids_ptr": "*i64", "grad_out_ptr": "*fp32"}
+    pointers["grad_in_ptr"] = f"*{dtype}"
+
+    def compile_for_hopper(kernel: Any, constexprs: dict[str, int]) -> dict[str, Any]:
+        names = kernel.arg_names
+        signature = {n: pointers.get(n) or scalars.get(n) or "constexpr" for n in names}
+        # a launch marks 16-byte-aligned pointers and integers divisible by 16 the same way
+        aligned = {
+            (names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers or n in ("row_stride", "vocab")
+        }
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+        asm: dict[str, Any] = triton.compile(source, target=target, options={"num_warps": logprob_kernels._WARPS}).asm
+        assert asm["cubin"]
+        return asm
+
+    lse_kernel, grad_kernel = kernels
+    lse_ptx = compile_for_hopper(lse_kernel, {"BLOCK": logprob_kernels._BLOCK})["ptx"]
+    assert "ld.global.v4.b32" in lse_ptx  # 16-byte reads of the logits
+    for columns in (1, 3):
+        grad_ptx = compile_for_hopper(grad_kernel, {"J": columns, "BLOCK": logprob_kernels._BLOCK})["ptx"]
+        assert "ld.global.v4.b32" in grad_ptx and "st.global.v4.b32" in grad_ptx
+        if dtype == "bf16":
+            assert "cvt.rn.bf16" in grad_ptx  # round to nearest: one rounding of the fp32 gradient
 
 
 def test_no_chunk_on_the_cpu_takes_the_kernels(tiny_model_dir: str) -> None:
