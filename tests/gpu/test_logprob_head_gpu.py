@@ -5,6 +5,9 @@ replace there (CUDA's kernel upcasts inside, ``half_to_float``), paths the CPU t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -101,3 +104,16 @@ def test_triton_head_holds_no_fp32_logits() -> None:
         peaks[triton] = _peak_bytes_of_one_chunk(head, hidden, ids)
     assert peaks[True] <= 5 * logits_bytes + head.weight.numel() * 2, (peaks, logits_bytes)
     assert peaks[False] >= 10 * logits_bytes, (peaks, logits_bytes)
+
+
+def test_a_run_with_the_triton_head_trains_and_its_reference_agrees(
+    tiny_model_dir: str, grpo_run: Callable[..., Any]
+) -> None:
+    """``model.triton_logprob_head=true`` in a whole run: it trains, and the KL reference's head takes the
+    same kernels, so before the first update the two agree exactly."""
+    kl = ["rl.kl_beta=0.1", "rl.ref.build_ref=true", "rl.kl_coeff_clamp=5"]
+    _, _, records = grpo_run(tiny_model_dir, "model.triton_logprob_head=true", *kl)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["train/grad_norm"] > 0 for r in records)
+    assert records[0]["train/kl_max"] == 0.0
+    assert records[-1]["train/kl_max"] > 0.0
