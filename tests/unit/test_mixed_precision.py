@@ -5,7 +5,7 @@ the rollout engines' dtype, and the CPU default computing in fp32 with nothing e
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import pytest
@@ -299,3 +299,49 @@ def test_cudagraph_capture_size_reaches_a_cuda_engine_only() -> None:
     assert cudagraph_args(1024, cuda=False) == {}
     with pytest.raises(ValueError, match="cudagraph_capture_max"):
         RolloutConfig(cudagraph_capture_max=0)
+
+
+def test_a_mini_batch_casts_its_weights_once_over_all_its_micro_batches(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The update casts the fp32 weights to bf16 once per mini-batch, not once per micro-batch (as it did
+    before the twenty-third session): the micro-batches' backwards all return through the same copies
+    to the fp32 gradients. Over four micro-batches that steps with exactly the gradient a fresh cast per
+    micro-batch gives, which it could not if a backward after the first lost its way to the parameters."""
+    import sys
+
+    import posttrain.policy.trainer as trainer_module
+
+    casts: list[int] = []
+
+    def counting(model: nn.Module, precision: Any) -> Any:  # an entry that finds fp32 weights casts them
+        casts.append(int(any(p.dtype == torch.float32 for p in model.parameters())))
+        return compute_weights(model, precision)
+
+    monkeypatch.setattr(trainer_module, "compute_weights", counting)
+    grads = {}
+    for per_micro_batch in (True, False):
+        torch.manual_seed(0)
+        cfg = build_config(None, ["rl.batch_per_replica=16", "rl.group_size=4", "rl.micro_batch_per_replica=4"])
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"compute_dtype": "bfloat16"})})
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=2)
+        assert trainer.precision.mixed
+        if per_micro_batch:  # the update's own entry skipped: each pass's logprob entry casts afresh
+            compute = trainer._compute
+
+            def inner_only(m: nn.Module, compute: Any = compute) -> Any:
+                return nullcontext() if sys._getframe(1).f_code.co_name == "train_on" else compute(m)
+
+            monkeypatch.setattr(trainer, "_compute", inner_only)
+        step_grads: list[torch.Tensor] = []
+        trainer.optimizer.register_step_pre_hook(
+            lambda *_: step_grads.extend(p.grad.clone() for p in model.parameters())  # noqa: B023
+        )
+        casts.clear()
+        trainer.train_on(_batch(1), step=1)
+        assert sum(casts) == (4 if per_micro_batch else 1), (per_micro_batch, casts)
+        grads[per_micro_batch] = step_grads
+    assert len(casts) > 1  # the passes' logprob entries ran, nested in the one cast, and cast nothing more
+    for once, each in zip(grads[False], grads[True], strict=True):
+        assert torch.equal(once, each)

@@ -5,8 +5,9 @@
 ("mixed": fp32 master weights, bf16 compute) an FSDP2-sharded module computes through its
 ``MixedPrecisionPolicy`` (``distributed.fsdp.shard_policy``: parameters cast to bf16 once per
 gather, the whole forward in bf16, gradients reduced in fp32), and an unsharded one computes the
-same way through ``compute_weights``: each parameter read as one bf16 copy per forward, whose
-gradient comes back to the fp32 parameter in fp32. Not ``torch.autocast``: autocast leaves the
+same way through ``compute_weights``: each parameter read as one bf16 copy, whose gradient comes
+back to the fp32 parameter in fp32 (the update casts once per mini-batch, and every micro-batch's
+forward and backward reads the same copies). Not ``torch.autocast``: autocast leaves the
 embeddings, norms and residual stream in fp32 (only matrix products drop to bf16); on an H200 the
 0.4B update took 0.878 s under it, 0.823 s on the copies and 0.802 s with pure bf16 weights, with
 4 GiB more peak memory under autocast (docs/benchmarks.md, "Issue 18, fifth session").
@@ -113,8 +114,10 @@ def compute_weights(model: nn.Module, precision: Precision) -> Iterator[None]:
 
     One cast per parameter per entry (tied parameters share one copy), made under the caller's grad
     mode: with gradients on, the copy's backward returns the gradient to the fp32 parameter in fp32,
-    where micro-batches accumulate, as FSDP2's reduce dtype does. A backward that recomputes the
-    forward (gradient checkpointing) must run inside the same entry, so it reads the same copies.
+    where micro-batches accumulate, as FSDP2's reduce dtype does. Several backwards may return through
+    one entry's copies (the cast keeps no tensor for its backward): the trainer enters once per
+    mini-batch. A backward that recomputes the forward (gradient checkpointing) must run inside the
+    same entry, so it reads the same copies.
     Entries nest: an inner one finds the parameters already cast and changes nothing. The
     parameters themselves, their ``state_dict`` and the optimizer never see the copies."""
     if not precision.mixed:

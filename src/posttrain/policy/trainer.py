@@ -400,21 +400,23 @@ class PolicyTrainer:
             counts.append(torch.stack([torch.as_tensor(norm.num_seqs), torch.as_tensor(norm.num_tokens)]).double())
             loss_sum, free_sum = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
             passes = self._passes(batch, mini)
-            for rows, learns in passes:
-                pb = self._model_batch(batch, rows)
-                pinned += self.routing.prepare(batch, rows, pb)
-                # one entry over forward and backward: a checkpointed layer recomputes from the same copies
-                with self._compute(self.model), torch.set_grad_enabled(learns):
-                    inputs = self._loss_inputs(batch, rows, pb, old)
-                    if probe:
-                        self._probe(inputs, step)
-                        probe = False
-                    loss, stats = self.objective.loss(inputs, norm)
-                    if learns:
-                        loss.backward()
-                loss_sum += loss.detach()
-                free_sum += 0.0 if learns else loss.detach()
-                totals = stats if totals is None else totals.merge(stats)
+            # one entry over the mini-batch's forwards and backwards: its weights cast once (not once per
+            # micro-batch), and a checkpointed layer recomputes from the same copies
+            with self._compute(self.model):
+                for rows, learns in passes:
+                    pb = self._model_batch(batch, rows)
+                    pinned += self.routing.prepare(batch, rows, pb)
+                    with torch.set_grad_enabled(learns):
+                        inputs = self._loss_inputs(batch, rows, pb, old)
+                        if probe:
+                            self._probe(inputs, step)
+                            probe = False
+                        loss, stats = self.objective.loss(inputs, norm)
+                        if learns:
+                            loss.backward()
+                    loss_sum += loss.detach()
+                    free_sum += 0.0 if learns else loss.detach()
+                    totals = stats if totals is None else totals.merge(stats)
             # every rank ran the same passes (dp.passes), so every rank takes this branch, and the flag agrees
             if not all(learns for _, learns in passes) and not self.dp.all_finite([free_sum]):
                 raise TrainingError(  # their backward, which would have turned the gradient non-finite, did not run
