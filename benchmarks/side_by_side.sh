@@ -79,7 +79,8 @@
 #   head22  the one-log_softmax logprob head: its GPU test, the update with it against the logsumexp head (0.4B, 1.5B)
 #   head23  W in whole steps with that head against the logsumexp one (interleaved), then the small job (not yet run)
 #   head24a model.triton_logprob_head (twenty-third session, not yet run): its GPU tests, then the update with
-#           it against the default log_softmax head and with the body's CUDA graphs (0.4B, 1.5B); no vLLM kit
+#           it against the default log_softmax head, the weights cast per micro-batch (before) against per
+#           mini-batch, and with the body's CUDA graphs (0.4B, 1.5B); no vLLM kit
 #   head24  W in whole steps, the Triton head against the default interleaved, then with the body's CUDA
 #           graphs; the small job as shipped (not yet run)
 #   big24   the 1.5B shape in whole steps, the Triton head against the default (no TRL; not yet run)
@@ -658,7 +659,7 @@ case "${1:-}" in
   head24a)
     # the twenty-third session's Triton logprob head (model.triton_logprob_head, policy/logprob_kernels.py):
     # its GPU tests, then the update alone with it against the default log_softmax head, alternating in
-    # one process, and with the body's CUDA graphs on top (model.cuda_graphs=true):
+    # one process, and the weights cast once per micro-batch as before (_mbcast) against once per mini-batch, and with the body's CUDA graphs on top (model.cuda_graphs=true):
     # W's (0.4B, micro-batches of 64, profiled: GPU busy time) and the 1.5B shape's (micro-batches of
     # 32). Like updprof, no vLLM kit (carry [".whl"])
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sitekf .whl/*.whl || exit 1
@@ -666,18 +667,19 @@ case "${1:-}" in
     export PYTHONPATH=$PWD/src:/tmp/sitekf PYTHONUNBUFFERED=1
     device_info
     mkdir -p "$R/head24" "$R/tests"
-    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py \
+    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py \
       tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_gpu_smoke.py \
       >"$R/tests/head24a_gpu.log" 2>&1
     echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/head24a_gpu.log" | tail -12 | cut -c1-300
     pack
     timeout 220 python3 benchmarks/update_precision.py --shapes 0.5b --share off --repeats 4 --micro-batch 64 --profile \
-      --arms mixed_fused,mixed_fused_trt,mixed_fused,mixed_fused_trt,mixed_fused_cuda_graphs \
+      --arms mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_cuda_graphs \
       --out "$R/head24/0.5b.json" >"$R/head24/0.5b.log" 2>&1
     echo "head24a 0.5b rc=$?"; grep -E "update|profiled:|left allocated|Error" "$R/head24/0.5b.log" | cut -c1-230
     pack
     timeout 200 python3 benchmarks/update_precision.py --shapes 1.5b --share off --repeats 3 --micro-batch 32 \
-      --arms mixed_fused,mixed_fused_trt,mixed_fused_cuda_graphs --out "$R/head24/1.5b.json" >"$R/head24/1.5b.log" 2>&1
+      --arms mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_cuda_graphs --out "$R/head24/1.5b.json" \
+      >"$R/head24/1.5b.log" 2>&1
     echo "head24a 1.5b rc=$?"; grep -E "update|left allocated|Error" "$R/head24/1.5b.log" | cut -c1-230
     pack ;;
   head24)

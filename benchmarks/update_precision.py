@@ -29,6 +29,8 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
   padded shape as two CUDA graphs, the bf16 casts inside the graph, the LM head, loss and optimizer
   eager (``models/cuda_graphs.py``; CUDA only). The other arms keep the eager body.
 - ``mixed_fused_cuda_graphs``: both, the fused kernels recorded into the body's graphs.
+- an arm name ending in ``_mbcast`` (``mixed_fused_mbcast``): that arm with its weights cast once per
+  micro-batch, as before the twenty-third session, instead of once per mini-batch (before/after);
 - an arm name ending in ``_lse`` (``mixed_fused_lse``): that arm with the logprob head of before the
   twenty-second session, ``gather(logits) - logsumexp(logits.float())`` per chunk; ending in ``_trt``:
   with the two Triton kernels of ``model.triton_logprob_head`` (CUDA), instead of the default one fp32
@@ -115,6 +117,8 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
     from posttrain.policy.trainer import PolicyTrainer
 
     arm = use_logprob_head(arm)
+    cast_per_micro_batch = arm.endswith("_mbcast")
+    arm = arm.removesuffix("_mbcast")
     cfg = GRPOConfig()
     cfg.rl.group_size, cfg.rl.batch_per_replica = SAMPLES, args.prompts * SAMPLES
     cfg.rl.micro_batch_per_replica = args.micro_batch
@@ -144,7 +148,24 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
         apply_fused_kernels(model)
     elif arm not in ("bf16", "mixed", "mixed_compiled", "mixed_cuda_graphs"):
         raise SystemExit(f"unknown arm {arm!r}")
+    if cast_per_micro_batch:
+        cast_weights_per_micro_batch(trainer)
     return trainer
+
+
+def cast_weights_per_micro_batch(trainer: Any) -> None:
+    """The update as it cast its weights before the twenty-third session: once per micro-batch. The
+    update's own entry (``train_on``'s, one per mini-batch) becomes a no-op, so each pass's logprob
+    entry casts afresh (the before/after arm ``_mbcast``)."""
+    import contextlib
+    import sys
+
+    compute = trainer._compute
+
+    def inner_only(model: Any) -> Any:
+        return contextlib.nullcontext() if sys._getframe(1).f_code.co_name == "train_on" else compute(model)
+
+    trainer._compute = inner_only
 
 
 def sync(device: str) -> None:
