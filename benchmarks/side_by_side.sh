@@ -184,6 +184,22 @@ device_info() {  # the GPU, the host's CPU (host-bound figures move with it: TRL
     python3 -c 'import torch, transformers, vllm, trl; print("torch", torch.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__, "trl", trl.__version__)' 2>&1 | tail -1
   } | tee "$R/device.txt"
 }
+kit_free() {  # the parts that need no vLLM kit: the image has torch and transformers; pydantic (with
+  # pydantic-core, annotated-types, typing-inspection, typing-extensions) and Liger-Kernel travel as wheels in
+  # .whl (carry [".whl"]; pip download as the device README says). Into /tmp/sitekf, not /tmp/site: a kit
+  # installed later on the same machine goes there with its own pydantic
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sitekf .whl/*.whl || exit 1
+  export PYTHONPATH=$PWD/src:/tmp/sitekf PYTHONUNBUFFERED=1
+  device_info
+}
+update_arms() {  # PART SHAPE TIMEOUT [update_precision.py options]: the update alone, into $R/PART/SHAPE.{json,log}
+  local part=$1 shape=$2 limit=$3; shift 3
+  mkdir -p "$R/$part"
+  timeout "$limit" python3 benchmarks/update_precision.py --shapes "$shape" --share off "$@" \
+    --out "$R/$part/$shape.json" >"$R/$part/$shape.log" 2>&1
+  echo "$part $shape rc=$?"; grep -E "update|profiled:|left allocated|Error" "$R/$part/$shape.log" | cut -c1-230
+  pack
+}
 model() {  # SHAPE DIR: a random-weight model of that shape (benchmarks/make_random_model.py), once;
   # written aside and renamed, so a caller never finds half of one (one is made in the background)
   while [ ! -e "$2/config.json" ] && pgrep -f "make_random_model.py .* $2.tmp" >/dev/null; do sleep 2; done
@@ -609,41 +625,24 @@ case "${1:-}" in
   updprof)
     # where the update's GPU time goes, W's (0.4B, micro-batches of 64, the shipped fused kernels, no
     # prompt sharing, as auto decides at W) and the 1.5B shape's (micro-batches of 32): the kernels and
-    # operators by GPU time (update_precision.py --profile). Needs no vLLM kit: the image has torch and
-    # transformers, and pydantic (with pydantic-core, annotated-types, typing-inspection,
-    # typing-extensions) and Liger-Kernel travel as wheels in .whl (carry [".whl"]; pip download as the
-    # device README says)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
-    device_info
-    mkdir -p "$R/updprof"
-    for spec in 0.5b:64 1.5b:32; do
-      IFS=: read -r shape micro <<<"$spec"
-      timeout 200 python3 benchmarks/update_precision.py --shapes "$shape" --arms mixed_fused --share off --repeats 3 \
-        --micro-batch "$micro" --profile --out "$R/updprof/$shape.json" >"$R/updprof/$shape.log" 2>&1
-      echo "updprof $shape rc=$?"; grep -vE "^\s*$" "$R/updprof/$shape.log" | head -75 | cut -c1-230
-      pack
-    done ;;
+    # operators by GPU time (update_precision.py --profile, its whole table printed). No vLLM kit (kit_free)
+    kit_free
+    update_arms updprof 0.5b 200 --arms mixed_fused --repeats 3 --micro-batch 64 --profile
+    grep -vE "^\s*$" "$R/updprof/0.5b.log" | head -75 | cut -c1-230
+    update_arms updprof 1.5b 200 --arms mixed_fused --repeats 3 --micro-batch 32 --profile
+    grep -vE "^\s*$" "$R/updprof/1.5b.log" | head -75 | cut -c1-230 ;;
   head22)
     # the logprob head as one fp32 log_softmax per chunk (twenty-second session) against the logsumexp
     # head before it: its GPU test, then the update alone, the two heads alternating in one process, at
-    # W (0.4B, micro-batches of 64, profiled: GPU busy time) and at 1.5B (micro-batches of 32). Like
-    # updprof, no vLLM kit (carry [".whl"])
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
-    device_info
-    mkdir -p "$R/head22" "$R/tests"
+    # W (0.4B, micro-batches of 64, profiled: GPU busy time) and at 1.5B (micro-batches of 32). No vLLM kit
+    kit_free
+    mkdir -p "$R/tests"
     timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py >"$R/tests/logprob_head_gpu.log" 2>&1
     echo "logprob_head_gpu rc=$?"; grep -E "passed|failed|^E " "$R/tests/logprob_head_gpu.log" | tail -8 | cut -c1-300
     pack
-    timeout 200 python3 benchmarks/update_precision.py --shapes 0.5b --share off --repeats 4 --micro-batch 64 --profile \
-      --arms mixed_fused_lse,mixed_fused,mixed_fused_lse,mixed_fused --out "$R/head22/0.5b.json" >"$R/head22/0.5b.log" 2>&1
-    echo "head22 0.5b rc=$?"; grep -E "update|profiled:|Error" "$R/head22/0.5b.log" | cut -c1-230
-    pack
-    timeout 200 python3 benchmarks/update_precision.py --shapes 1.5b --share off --repeats 3 --micro-batch 32 \
-      --arms mixed_fused_lse,mixed_fused,mixed_fused_lse,mixed_fused --out "$R/head22/1.5b.json" >"$R/head22/1.5b.log" 2>&1
-    echo "head22 1.5b rc=$?"; grep -E "update|Error" "$R/head22/1.5b.log" | cut -c1-230
-    pack ;;
+    update_arms head22 0.5b 200 --repeats 4 --micro-batch 64 --profile \
+      --arms mixed_fused_lse,mixed_fused,mixed_fused_lse,mixed_fused
+    update_arms head22 1.5b 200 --repeats 3 --micro-batch 32 --arms mixed_fused_lse,mixed_fused,mixed_fused_lse,mixed_fused ;;
   head23)
     # the next lease's measurement of the twenty-second session's logprob head in whole steps: W with it
     # against the logsumexp head before it, interleaved in one process on one engine (grpo_step.py's
@@ -658,30 +657,21 @@ case "${1:-}" in
     pack ;;
   head24a)
     # the twenty-third session's Triton logprob head (model.triton_logprob_head, policy/logprob_kernels.py):
-    # its GPU tests, then the update alone with it against the default log_softmax head, alternating in
-    # one process, and the weights cast once per micro-batch as before (_mbcast) against once per mini-batch, and with the body's CUDA graphs on top (model.cuda_graphs=true):
-    # W's (0.4B, micro-batches of 64, profiled: GPU busy time) and the 1.5B shape's (micro-batches of
-    # 32). Like updprof, no vLLM kit (carry [".whl"])
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sitekf .whl/*.whl || exit 1
-    # /tmp/sitekf, not /tmp/site: the kit installs there later on the same machine (head24) with its own pydantic
-    export PYTHONPATH=$PWD/src:/tmp/sitekf PYTHONUNBUFFERED=1
-    device_info
-    mkdir -p "$R/head24" "$R/tests"
+    # its GPU tests, then the update alone, alternating in one process: with it against the default
+    # log_softmax head, the weights cast once per micro-batch as before (_mbcast) against once per
+    # mini-batch, and with the body's CUDA graphs on top (model.cuda_graphs=true); W's (0.4B, micro-batches
+    # of 64, profiled: GPU busy time) and the 1.5B shape's (micro-batches of 32). No vLLM kit (kit_free)
+    kit_free
+    mkdir -p "$R/tests"
     timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py \
       tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_gpu_smoke.py \
       >"$R/tests/head24a_gpu.log" 2>&1
     echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/head24a_gpu.log" | tail -12 | cut -c1-300
     pack
-    timeout 220 python3 benchmarks/update_precision.py --shapes 0.5b --share off --repeats 4 --micro-batch 64 --profile \
-      --arms mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_cuda_graphs \
-      --out "$R/head24/0.5b.json" >"$R/head24/0.5b.log" 2>&1
-    echo "head24a 0.5b rc=$?"; grep -E "update|profiled:|left allocated|Error" "$R/head24/0.5b.log" | cut -c1-230
-    pack
-    timeout 200 python3 benchmarks/update_precision.py --shapes 1.5b --share off --repeats 3 --micro-batch 32 \
-      --arms mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_cuda_graphs --out "$R/head24/1.5b.json" \
-      >"$R/head24/1.5b.log" 2>&1
-    echo "head24a 1.5b rc=$?"; grep -E "update|left allocated|Error" "$R/head24/1.5b.log" | cut -c1-230
-    pack ;;
+    update_arms head24 0.5b 220 --repeats 4 --micro-batch 64 --profile \
+      --arms mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_cuda_graphs
+    update_arms head24 1.5b 200 --repeats 3 --micro-batch 32 \
+      --arms mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_cuda_graphs ;;
   head24)
     # W in whole steps with the Triton head (t) against the default log_softmax head (s), interleaved in one
     # process on one engine (grpo_step.py's head arm key), then with the body's CUDA graphs (g) against

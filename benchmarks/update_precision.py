@@ -99,26 +99,27 @@ def make_batch(prompts: int, completion_len: int, prompt_len: int = PROMPT_LEN) 
     )
 
 
-def use_logprob_head(arm: str) -> str:
-    """Install the arm's logprob head (``_lse``: logsumexp, ``_trt``: the Triton kernels, else the
-    default log_softmax); the base arm."""
-    from logprob_heads import use_logprob_head as install  # this directory's, on sys.path (main)
+ARM_SUFFIXES = {"_lse": "logsumexp", "_trt": "triton", "_mbcast": "cast per micro-batch"}
 
-    suffixes = {"_lse": "logsumexp", "_trt": "triton"}
-    suffix = next((s for s in suffixes if arm.endswith(s)), None)
-    install(suffixes[suffix] if suffix else "log_softmax")
-    return arm.removesuffix(suffix) if suffix else arm
+
+def split_arm(arm: str) -> tuple[str, str, bool]:
+    """``(base arm, logprob head, weights cast per micro-batch)`` of an arm name with at most one of
+    ``ARM_SUFFIXES`` (the head: ``logsumexp``, ``triton``, else the default ``log_softmax``)."""
+    suffix = next((s for s in ARM_SUFFIXES if arm.endswith(s)), "")
+    head = ARM_SUFFIXES[suffix] if suffix in ("_lse", "_trt") else "log_softmax"
+    return arm.removesuffix(suffix) if suffix else arm, head, suffix == "_mbcast"
 
 
 def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "auto") -> Any:
+    from logprob_heads import use_logprob_head  # this directory's, on sys.path (main)
+
     from posttrain.config.schema import GRPOConfig
     from posttrain.models.structure import split_body_and_head
     from posttrain.policy.objective import grpo_objective
     from posttrain.policy.trainer import PolicyTrainer
 
-    arm = use_logprob_head(arm)
-    cast_per_micro_batch = arm.endswith("_mbcast")
-    arm = arm.removesuffix("_mbcast")
+    arm, head, cast_per_micro_batch = split_arm(arm)
+    use_logprob_head(head)
     cfg = GRPOConfig()
     cfg.rl.group_size, cfg.rl.batch_per_replica = SAMPLES, args.prompts * SAMPLES
     cfg.rl.micro_batch_per_replica = args.micro_batch
@@ -176,7 +177,7 @@ def sync(device: str) -> None:
 def update(trainer: Any, batch: Any, step: int, arm: str) -> None:
     """One ``train_on``; a CUDA-graph arm first tells inductor that a new step begins (its graphs'
     outputs from the last update are dead), so the trees replay instead of re-recording."""
-    if arm.removesuffix("_lse").endswith("graphs"):
+    if split_arm(arm)[0].endswith("graphs"):
         torch.compiler.cudagraph_mark_step_begin()
     trainer.train_on(batch, step=step)
 
