@@ -125,6 +125,8 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
     cfg.rl.micro_batch_per_replica = args.micro_batch
     cfg.rl.optimizer.lr, cfg.rl.kl_beta = 1e-6, 0.0
     cfg.rollout.max_tokens = args.completion_len
+    if arm not in ("bf16", "autocast"):  # fp32 weights, bf16 compute: the GPU's auto, named so a CPU run mixes too
+        cfg.model.compute_dtype = "bfloat16"
     cfg.model.compile = arm == "mixed_compiled"
     cfg.model.cuda_graphs = arm in ("mixed_cuda_graphs", "mixed_fused_cuda_graphs")
     cfg.model.share_prompt_prefix = {"auto": "auto", "on": True, "off": False}[share]
@@ -155,18 +157,40 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
 
 
 def cast_weights_per_micro_batch(trainer: Any) -> None:
-    """The update as it cast its weights before the twenty-third session: once per micro-batch. The
-    update's own entry (``train_on``'s, one per mini-batch) becomes a no-op, so each pass's logprob
-    entry casts afresh (the before/after arm ``_mbcast``)."""
+    """The update as it cast its weights before the twenty-third session: once per micro-batch, each
+    pass's entry open over its forward and its backward (a checkpointed chunk recomputes in the
+    backward from the same copies). ``train_on``'s one entry per mini-batch is replaced by one that
+    casts afresh as each pass begins (``_loss_inputs``) and lets the last pass's copies go at its
+    end (the before/after arm ``_mbcast``)."""
     import contextlib
     import sys
 
-    compute = trainer._compute
+    compute, loss_inputs = trainer._compute, trainer._loss_inputs
+    state: dict[str, Any] = {"model": None, "entry": None}
 
-    def inner_only(model: Any) -> Any:
-        return contextlib.nullcontext() if sys._getframe(1).f_code.co_name == "train_on" else compute(model)
+    def close() -> None:
+        if state["entry"] is not None:
+            state["entry"].__exit__(None, None, None)
+            state["entry"] = None
 
-    trainer._compute = inner_only
+    @contextlib.contextmanager
+    def per_pass(model: Any) -> Any:
+        state["model"] = model
+        try:
+            yield
+        finally:
+            close()
+
+    def entry(model: Any) -> Any:
+        return per_pass(model) if sys._getframe(1).f_code.co_name == "train_on" else compute(model)
+
+    def fresh_cast(*args: Any, **kwargs: Any) -> Any:
+        close()  # the previous pass's backward has run
+        state["entry"] = compute(state["model"])
+        state["entry"].__enter__()
+        return loss_inputs(*args, **kwargs)
+
+    trainer._compute, trainer._loss_inputs = entry, fresh_cast
 
 
 def sync(device: str) -> None:

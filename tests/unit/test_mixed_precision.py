@@ -5,7 +5,7 @@ the rollout engines' dtype, and the CPU default computing in fp32 with nothing e
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -301,6 +301,36 @@ def test_cudagraph_capture_size_reaches_a_cuda_engine_only() -> None:
         RolloutConfig(cudagraph_capture_max=0)
 
 
+def _cast_per_pass(trainer: PolicyTrainer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train_on`` as it cast before the twenty-third session: a fresh entry as each pass begins
+    (``_loss_inputs``), open over that pass's forward and backward, closed as the next begins or the
+    mini-batch ends. (Skipping the update's entry alone would run a checkpointed chunk's recompute
+    outside any entry, on the fp32 weights.)"""
+    import sys
+    from contextlib import ExitStack
+
+    compute, loss_inputs = trainer._compute, trainer._loss_inputs
+    open_entry = ExitStack()
+    entered: list[nn.Module] = []
+
+    @contextmanager
+    def per_pass(model: nn.Module) -> Iterator[None]:
+        entered[:] = [model]
+        with open_entry:  # closes the last pass's entry
+            yield
+
+    def entry(model: nn.Module) -> Any:
+        return per_pass(model) if sys._getframe(1).f_code.co_name == "train_on" else compute(model)
+
+    def fresh_cast(*args: Any, **kwargs: Any) -> Any:
+        open_entry.close()  # the previous pass's backward has run
+        open_entry.enter_context(compute(entered[0]))
+        return loss_inputs(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_compute", entry)
+    monkeypatch.setattr(trainer, "_loss_inputs", fresh_cast)
+
+
 def test_a_mini_batch_casts_its_weights_once_over_all_its_micro_batches(
     tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -308,7 +338,6 @@ def test_a_mini_batch_casts_its_weights_once_over_all_its_micro_batches(
     before the twenty-third session): the micro-batches' backwards all return through the same copies
     to the fp32 gradients. Over four micro-batches that steps with exactly the gradient a fresh cast per
     micro-batch gives, which it could not if a backward after the first lost its way to the parameters."""
-    import sys
 
     import posttrain.policy.trainer as trainer_module
 
@@ -323,17 +352,14 @@ def test_a_mini_batch_casts_its_weights_once_over_all_its_micro_batches(
     for per_micro_batch in (True, False):
         torch.manual_seed(0)
         cfg = build_config(None, ["rl.batch_per_replica=16", "rl.group_size=4", "rl.micro_batch_per_replica=4"])
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"compute_dtype": "bfloat16"})})
+        # chunks of 16 tokens: the head's chunks are checkpointed, so each backward recomputes through the copies
+        update = {"compute_dtype": "bfloat16", "logprob_chunk_tokens": 16}
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=update)})
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=2)
         assert trainer.precision.mixed
-        if per_micro_batch:  # the update's own entry skipped: each pass's logprob entry casts afresh
-            compute = trainer._compute
-
-            def inner_only(m: nn.Module, compute: Any = compute) -> Any:
-                return nullcontext() if sys._getframe(1).f_code.co_name == "train_on" else compute(m)
-
-            monkeypatch.setattr(trainer, "_compute", inner_only)
+        if per_micro_batch:  # as before: each pass casts afresh, its entry open over its backward
+            _cast_per_pass(trainer, monkeypatch)
         step_grads: list[torch.Tensor] = []
         trainer.optimizer.register_step_pre_hook(
             lambda *_: step_grads.extend(p.grad.clone() for p in model.parameters())  # noqa: B023
