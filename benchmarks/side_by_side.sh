@@ -657,20 +657,20 @@ case "${1:-}" in
     pack ;;
   head24a)
     # the twenty-third session's Triton logprob head (model.triton_logprob_head, policy/logprob_kernels.py):
-    # its GPU tests, then the update alone, alternating in one process: with it against the default
+    # the update alone, alternating in one process (its GPU tests between the two shapes): with it against the default
     # log_softmax head, the weights cast once per micro-batch as before (_mbcast) against once per
     # mini-batch, and with the body's CUDA graphs on top (model.cuda_graphs=true); W's (0.4B, micro-batches
     # of 64, profiled: GPU busy time) and the 1.5B shape's (micro-batches of 32). No vLLM kit (kit_free)
     kit_free
     mkdir -p "$R/tests"
+    update_arms head24 0.5b 210 --repeats 4 --micro-batch 64 --profile \
+      --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused_cuda_graphs
     # (the first run, 2026-12-05 23:05 UTC on an H100, passed test_cuda_graphs_gpu.py and test_gpu_smoke.py
     # too; run again: the two files it failed or changed)
     timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py \
       tests/gpu/test_fused_kernels_gpu.py >"$R/tests/head24a_gpu.log" 2>&1
     echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/head24a_gpu.log" | tail -12 | cut -c1-300
     pack
-    update_arms head24 0.5b 210 --repeats 4 --micro-batch 64 --profile \
-      --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused_cuda_graphs
     update_arms head24 1.5b 170 --repeats 3 --micro-batch 32 \
       --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused_cuda_graphs ;;
   head24)
