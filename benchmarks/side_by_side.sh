@@ -663,15 +663,15 @@ case "${1:-}" in
     # of 64, profiled: GPU busy time) and the 1.5B shape's (micro-batches of 32). No vLLM kit (kit_free)
     kit_free
     mkdir -p "$R/tests"
-    update_arms head24 0.5b 210 --repeats 4 --micro-batch 64 --profile \
+    update_arms head24 0.5b 200 --repeats 4 --micro-batch 64 --profile \
       --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused_cuda_graphs
     # (the first run, 2026-12-05 23:05 UTC on an H100, passed test_cuda_graphs_gpu.py and test_gpu_smoke.py
     # too; run again: the two files it failed or changed)
-    timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py \
+    timeout 70 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py \
       tests/gpu/test_fused_kernels_gpu.py >"$R/tests/head24a_gpu.log" 2>&1
     echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/head24a_gpu.log" | tail -12 | cut -c1-300
     pack
-    update_arms head24 1.5b 170 --repeats 3 --micro-batch 32 \
+    update_arms head24 1.5b 110 --repeats 3 --micro-batch 32 \
       --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused_cuda_graphs ;;
   head24)
     # W in whole steps with the Triton head (t) against the default log_softmax head (s), interleaved in one
