@@ -81,6 +81,7 @@
 #   head24a model.triton_logprob_head (twenty-third session, not yet run): its GPU tests, then the update with
 #           it against the default log_softmax head, the weights cast per micro-batch (before) against per
 #           mini-batch, and with the body's CUDA graphs (0.4B, 1.5B); no vLLM kit
+#   head24s head24a's W update arms and its two GPU test files alone (about 270 s)
 #   head24  W in whole steps, the Triton head against the default interleaved, then with the body's CUDA
 #           graphs; the small job as shipped (not yet run)
 #   big24   the 1.5B shape in whole steps, the Triton head against the default (no TRL; not yet run)
@@ -673,6 +674,17 @@ case "${1:-}" in
     pack
     update_arms head24 1.5b 110 --repeats 3 --micro-batch 32 \
       --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused_cuda_graphs ;;
+  head24s)
+    # head24a cut to what a short device budget holds: W's update alone, the default head, the Triton
+    # head and the per-micro-batch cast in turn, twice; then the two GPU test files
+    kit_free
+    mkdir -p "$R/tests"
+    update_arms head24 0.5b 200 --repeats 4 --micro-batch 64 --profile \
+      --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_mbcast
+    timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py \
+      tests/gpu/test_fused_kernels_gpu.py >"$R/tests/head24a_gpu.log" 2>&1
+    echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/head24a_gpu.log" | tail -12 | cut -c1-300
+    pack ;;
   head24)
     # W in whole steps with the Triton head (t) against the default log_softmax head (s), interleaved in one
     # process on one engine (grpo_step.py's head arm key), then with the body's CUDA graphs (g) against
