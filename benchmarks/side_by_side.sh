@@ -82,6 +82,7 @@
 #           it against the default log_softmax head, the weights cast per micro-batch (before) against per
 #           mini-batch, and with the body's CUDA graphs (0.4B, 1.5B); no vLLM kit
 #   head24s head24a's W update arms and its two GPU test files alone (about 270 s)
+#   head24m W's update with each head and the per-micro-batch cast, once each (about 140 s)
 #   head24  W in whole steps, the Triton head against the default interleaved, then with the body's CUDA
 #           graphs; the small job as shipped (not yet run)
 #   big24   the 1.5B shape in whole steps, the Triton head against the default (no TRL; not yet run)
@@ -685,6 +686,10 @@ case "${1:-}" in
       tests/gpu/test_fused_kernels_gpu.py >"$R/tests/head24a_gpu.log" 2>&1
     echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/head24a_gpu.log" | tail -12 | cut -c1-300
     pack ;;
+  head24m)
+    # the least of head24a: W's update alone with the default head, the Triton head, the per-micro-batch cast
+    kit_free
+    update_arms head24 0.5b 130 --repeats 3 --micro-batch 64 --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast ;;
   head24)
     # W in whole steps with the Triton head (t) against the default log_softmax head (s), interleaved in one
     # process on one engine (grpo_step.py's head arm key), then with the body's CUDA graphs (g) against
