@@ -113,9 +113,10 @@ class ModelConfig(Section):
     triton_logprob_head: bool = False
     """On CUDA, each logprob chunk's softmax and its gradient as two Triton kernels (policy/logprob_kernels.py):
     one pass each over the bf16 logits and no fp32 [tokens, vocab] buffer, where the default's fp32 log_softmax
-    takes about six passes. The same values to fp32 rounding (tested in Triton's interpreter on the CPU); off until
-    measured on a GPU (docs/benchmarks.md, twenty-third session). A model with a final-logit softcap keeps the
-    default path. Needs a CUDA policy and Triton (CUDA builds of torch ship it)."""
+    takes about six passes. The same values to fp32 rounding (tested in Triton's interpreter on the CPU and on
+    an H100); off until its speed is measured on a GPU (docs/benchmarks.md, twenty-third and twenty-fourth
+    sessions). A model with a final-logit softcap keeps the default path. Needs a CUDA policy and Triton (CUDA
+    builds of torch ship it)."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """Train low-rank adapters instead of every weight (``config/lora.py``, docs/lora.md); off by default."""
     freeze_vision_tower: bool = False
