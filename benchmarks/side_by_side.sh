@@ -78,7 +78,8 @@
 #   updprof  the update's GPU time by kernel and operator at W (0.4B) and 1.5B; no vLLM kit (carry .whl only)
 #   head22  the one-log_softmax logprob head: its GPU test, the update with it against the logsumexp head (0.4B, 1.5B)
 #   head23  W in whole steps with that head against the logsumexp one (interleaved), then the small job (not yet run)
-#   head24a model.triton_logprob_head (twenty-third session, not yet run): its GPU tests, then the update with
+#   head24a model.triton_logprob_head (twenty-third session; its GPU tests passed on an H100 on 2026-12-05, the
+#           update's arms not yet run): W's update, then the GPU tests, then the 1.5B update; the update with
 #           it against the default log_softmax head, the weights cast per micro-batch (before) against per
 #           mini-batch, and with the body's CUDA graphs (0.4B, 1.5B); no vLLM kit
 #   head24s head24a's W update arms and its two GPU test files alone (about 270 s)
@@ -659,8 +660,8 @@ case "${1:-}" in
     pack ;;
   head24a)
     # the twenty-third session's Triton logprob head (model.triton_logprob_head, policy/logprob_kernels.py):
-    # the update alone, alternating in one process (its GPU tests between the two shapes): with it against the default
-    # log_softmax head, the weights cast once per micro-batch as before (_mbcast) against once per
+    # the update alone, alternating in one process (its GPU tests between the two shapes): with it against
+    # the default log_softmax head, the weights cast once per micro-batch as before (_mbcast) against once per
     # mini-batch, and with the body's CUDA graphs on top (model.cuda_graphs=true); W's (0.4B, micro-batches
     # of 64, profiled: GPU busy time) and the 1.5B shape's (micro-batches of 32). No vLLM kit (kit_free)
     kit_free
