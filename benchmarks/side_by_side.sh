@@ -203,6 +203,14 @@ update_arms() {  # PART SHAPE TIMEOUT [update_precision.py options]: the update 
   echo "$part $shape rc=$?"; grep -E "update|profiled:|left allocated|Error" "$R/$part/$shape.log" | cut -c1-230
   pack
 }
+head24_tests() {  # TIMEOUT: the Triton head's GPU tests and the fused kernels' (the file its run test once
+  # polluted), into $R/tests/head24a_gpu.log
+  mkdir -p "$R/tests"
+  timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py \
+    tests/gpu/test_fused_kernels_gpu.py >"$R/tests/head24a_gpu.log" 2>&1
+  echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/head24a_gpu.log" | tail -12 | cut -c1-300
+  pack
+}
 model() {  # SHAPE DIR: a random-weight model of that shape (benchmarks/make_random_model.py), once;
   # written aside and renamed, so a caller never finds half of one (one is made in the background)
   while [ ! -e "$2/config.json" ] && pgrep -f "make_random_model.py .* $2.tmp" >/dev/null; do sleep 2; done
@@ -665,28 +673,20 @@ case "${1:-}" in
     # mini-batch, and with the body's CUDA graphs on top (model.cuda_graphs=true); W's (0.4B, micro-batches
     # of 64, profiled: GPU busy time) and the 1.5B shape's (micro-batches of 32). No vLLM kit (kit_free)
     kit_free
-    mkdir -p "$R/tests"
     update_arms head24 0.5b 200 --repeats 4 --micro-batch 64 --profile \
       --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused_cuda_graphs
     # (the first run, 2026-12-05 23:05 UTC on an H100, passed test_cuda_graphs_gpu.py and test_gpu_smoke.py
     # too; run again: the two files it failed or changed)
-    timeout 70 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py \
-      tests/gpu/test_fused_kernels_gpu.py >"$R/tests/head24a_gpu.log" 2>&1
-    echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/head24a_gpu.log" | tail -12 | cut -c1-300
-    pack
+    head24_tests 70
     update_arms head24 1.5b 110 --repeats 3 --micro-batch 32 \
       --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused_cuda_graphs ;;
   head24s)
     # head24a cut to what a short device budget holds: W's update alone, the default head, the Triton
     # head and the per-micro-batch cast in turn, twice; then the two GPU test files
     kit_free
-    mkdir -p "$R/tests"
     update_arms head24 0.5b 200 --repeats 4 --micro-batch 64 --profile \
       --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_mbcast
-    timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py \
-      tests/gpu/test_fused_kernels_gpu.py >"$R/tests/head24a_gpu.log" 2>&1
-    echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/head24a_gpu.log" | tail -12 | cut -c1-300
-    pack ;;
+    head24_tests 60 ;;
   head24m)
     # the least of head24a: W's update alone with the default head, the Triton head, the per-micro-batch cast
     kit_free

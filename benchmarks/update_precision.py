@@ -166,28 +166,21 @@ def cast_weights_per_micro_batch(trainer: Any) -> None:
     import sys
 
     compute, loss_inputs = trainer._compute, trainer._loss_inputs
-    state: dict[str, Any] = {"model": None, "entry": None}
-
-    def close() -> None:
-        if state["entry"] is not None:
-            state["entry"].__exit__(None, None, None)
-            state["entry"] = None
+    open_entry = contextlib.ExitStack()  # the current pass's entry
+    entered: list[Any] = []  # the model train_on entered for
 
     @contextlib.contextmanager
     def per_pass(model: Any) -> Any:
-        state["model"] = model
-        try:
+        entered[:] = [model]
+        with open_entry:  # closes the last pass's entry
             yield
-        finally:
-            close()
 
     def entry(model: Any) -> Any:
         return per_pass(model) if sys._getframe(1).f_code.co_name == "train_on" else compute(model)
 
     def fresh_cast(*args: Any, **kwargs: Any) -> Any:
-        close()  # the previous pass's backward has run
-        state["entry"] = compute(state["model"])
-        state["entry"].__enter__()
+        open_entry.close()  # the previous pass's backward has run
+        open_entry.enter_context(compute(entered[0]))
         return loss_inputs(*args, **kwargs)
 
     trainer._compute, trainer._loss_inputs = entry, fresh_cast
