@@ -203,11 +203,12 @@ update_arms() {  # PART SHAPE TIMEOUT [update_precision.py options]: the update 
   echo "$part $shape rc=$?"; grep -E "update|profiled:|left allocated|Error" "$R/$part/$shape.log" | cut -c1-230
   pack
 }
-head24_tests() {  # TIMEOUT: the Triton head's GPU tests and the fused kernels' (the file its run test once
-  # polluted), into $R/tests/head24a_gpu.log
+head24_tests() {  # TIMEOUT: the Triton head's GPU tests, the fused kernels' (the file its run test once
+  # polluted) and the padded body forward's no-sync check, into $R/tests/head24a_gpu.log
   mkdir -p "$R/tests"
   timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py \
-    tests/gpu/test_fused_kernels_gpu.py >"$R/tests/head24a_gpu.log" 2>&1
+    tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_gpu_smoke.py::test_the_body_forward_of_padded_rows_makes_no_host_sync \
+    >"$R/tests/head24a_gpu.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/head24a_gpu.log" | tail -12 | cut -c1-300
   pack
 }

@@ -14,7 +14,7 @@ import torch
 from posttrain.config.loading import build_config
 from posttrain.errors import TrainingError
 from posttrain.models import cuda_graphs
-from posttrain.models.cuda_graphs import AliasedBody, GraphedBody, graph_shape, rows_not_packed
+from posttrain.models.cuda_graphs import AliasedBody, GraphedBody, graph_shape
 from posttrain.models.precision import compute_weights, resolve_precision
 from posttrain.preflight import cuda_graphs as preflight
 from posttrain.preflight.findings import Findings
@@ -280,15 +280,3 @@ def test_the_gradient_buffers_are_handed_out_zeroed_and_kept_for_the_next_step(t
     graphs.hand_out_grads()
     assert first.grad is buffers[0] and second.grad is buffers[1]  # the same buffers, zeroed again
     assert torch.count_nonzero(first.grad) == 0 and torch.count_nonzero(second.grad) == 0
-
-
-def test_transformers_is_told_the_rows_are_not_packed_only_while_the_body_runs() -> None:
-    # under a CUDA capture transformers cannot read the position ids, assumes packing and builds a
-    # full mask (no flash attention); the graphed body says the answer it would have read
-    from transformers import masking_utils
-
-    packed = torch.tensor([[0, 1, 2, 0, 1]])
-    assert masking_utils.find_packed_sequence_indices(packed) is not None
-    with rows_not_packed():
-        assert masking_utils.find_packed_sequence_indices(packed) is None
-    assert masking_utils.find_packed_sequence_indices(packed) is not None

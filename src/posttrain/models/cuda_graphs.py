@@ -191,35 +191,8 @@ class AliasedBody:
                 slots[name] = original
 
     def __call__(self, input_ids_RL: Tensor) -> Tensor:
-        with self._reading_aliases(), rows_not_packed():
+        with self._reading_aliases():
             return body_hidden_states(self.body, input_ids_RL)
-
-
-@contextlib.contextmanager
-def rows_not_packed() -> Iterator[None]:
-    """Tell transformers that the rows hold no packed sequences. Its mask builder looks for packing
-    in the position ids (``masking_utils.find_packed_sequence_indices``); during a CUDA capture it
-    cannot read them and assumes packing, so it builds a full ``[B, 1, L, L]`` mask, which keeps SDPA
-    off its flash kernel (on one H200 the 1.5B update took 7 % longer graphed than eager). Padded rows
-    are never packed (their positions are 0..L-1), so the answer is known without reading anything."""
-    try:
-        from transformers import masking_utils
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:  # a transformers without the check builds no such mask
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = _no_packing
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
-
-
-def _no_packing(position_ids: Tensor) -> None:
-    return None
 
 
 class _Recording:
