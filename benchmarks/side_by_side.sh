@@ -81,7 +81,8 @@
 #   head24a model.triton_logprob_head (twenty-third session; its GPU tests passed on an H100 on 2026-12-05, the
 #           update's arms not yet run): W's update, then the GPU tests, then the 1.5B update; the update with
 #           it against the default log_softmax head, the weights cast per micro-batch (before) against per
-#           mini-batch, and with the body's CUDA graphs (0.4B, 1.5B); no vLLM kit
+#           mini-batch, and with the body's CUDA graphs (0.4B, 1.5B); W's arms count their host syncs
+#           (update_precision.py --syncs); no vLLM kit
 #   head24s head24a's W update arms and its two GPU test files alone (about 270 s)
 #   head24m W's update with each head and the per-micro-batch cast, once each (about 140 s)
 #   head24  W in whole steps, the Triton head against the default interleaved, then with the body's CUDA
@@ -200,7 +201,7 @@ update_arms() {  # PART SHAPE TIMEOUT [update_precision.py options]: the update 
   mkdir -p "$R/$part"
   timeout "$limit" python3 benchmarks/update_precision.py --shapes "$shape" --share off "$@" \
     --out "$R/$part/$shape.json" >"$R/$part/$shape.log" 2>&1
-  echo "$part $shape rc=$?"; grep -E "update|profiled:|left allocated|Error" "$R/$part/$shape.log" | cut -c1-230
+  echo "$part $shape rc=$?"; grep -E "update|profiled:|left allocated|Error|^        x[0-9]" "$R/$part/$shape.log" | cut -c1-230
   pack
 }
 head24_tests() {  # TIMEOUT: the Triton head's GPU tests, the fused kernels' (the file its run test once
@@ -674,7 +675,7 @@ case "${1:-}" in
     # mini-batch, and with the body's CUDA graphs on top (model.cuda_graphs=true); W's (0.4B, micro-batches
     # of 64, profiled: GPU busy time) and the 1.5B shape's (micro-batches of 32). No vLLM kit (kit_free)
     kit_free
-    update_arms head24 0.5b 200 --repeats 4 --micro-batch 64 --profile \
+    update_arms head24 0.5b 200 --repeats 4 --micro-batch 64 --profile --syncs \
       --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused,mixed_fused_trt,mixed_fused_mbcast,mixed_fused_cuda_graphs
     # (the first run, 2026-12-05 23:05 UTC on an H100, passed test_cuda_graphs_gpu.py and test_gpu_smoke.py
     # too; run again: the two files it failed or changed)
@@ -691,7 +692,7 @@ case "${1:-}" in
   head24m)
     # the least of head24a: W's update alone with the default head, the Triton head, the per-micro-batch cast
     kit_free
-    update_arms head24 0.5b 130 --repeats 3 --micro-batch 64 --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast ;;
+    update_arms head24 0.5b 130 --repeats 3 --micro-batch 64 --syncs --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast ;;
   head24)
     # W in whole steps with the Triton head (t) against the default log_softmax head (s), interleaved in one
     # process on one engine (grpo_step.py's head arm key), then with the body's CUDA graphs (g) against

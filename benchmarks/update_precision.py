@@ -44,6 +44,11 @@ operator table by self device time (both, 40 rows, in the JSON).
 The ``tiny30`` shape (the 135M shape's 30 layers at width 64, the same vocabulary) has the 135M
 shape's launches with almost none of its arithmetic: on a GPU, the floor of the small update.
 
+``--syncs`` runs each arm's update once more with ``torch.cuda.set_sync_debug_mode("warn")`` and
+prints where the host waited for the GPU: each synchronizing call's count, by the innermost frame
+outside torch and the innermost posttrain frame that led to it (CUDA only; a sync stalls the launch
+queue, so the GPU idles while the host catches up).
+
 ``--vary-lengths K`` cycles the timed updates through K completion lengths, as a run's batches
 change from step to step: what a CUDA-graph arm pays to record a graph per new shape, and whether it
 then replays.
@@ -236,6 +241,42 @@ def profile_update(trainer: Any, batch: Any, device: str, step: int, arm: str) -
     }
 
 
+def count_syncs(trainer: Any, batch: Any, step: int, arm: str) -> dict[str, int]:
+    """One more update with CUDA's sync debug mode on: each place the host waited for the GPU, as
+    "innermost frame outside torch <- innermost posttrain frame", with how often."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    sites: Counter[str] = Counter()
+
+    def where(frame: traceback.FrameSummary) -> str:
+        path = frame.filename
+        for root in ("/posttrain/", "/transformers/", "/benchmarks/"):
+            if root in path:
+                path = root.strip("/") + "/" + path.split(root, 1)[1]
+        return f"{path}:{frame.lineno} {frame.name}"
+
+    def record(message: Any, *_where: Any) -> None:  # warnings.showwarning(message, category, file, line, ...)
+        if "synchronizing" not in str(message):
+            return
+        stack = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+        outside_torch = next((f for f in reversed(stack) if "/torch/" not in f.filename), stack[-1])
+        ours = next((f for f in reversed(stack) if "/posttrain/" in f.filename), outside_torch)
+        sites[where(outside_torch) + ("" if ours is outside_torch else " <- " + where(ours))] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            update(trainer, batch, step, arm)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(sites.most_common())
+
+
 def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto") -> dict[str, Any]:
     dtype = torch.bfloat16 if arm == "bf16" else torch.float32
     model = make_model(shape, dtype, args.device)
@@ -292,6 +333,11 @@ def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto")
             share, ms = 100 * k["gpu_s"] / busy, 1e3 * k["gpu_s"]
             print(f"        {share:5.1f} %  {ms:7.2f} ms  x{k['count']:<5d} {k['name'][:110]}")
         print(prof["ops_table"], flush=True)
+    if args.syncs and args.device == "cuda":
+        result["syncs"] = syncs = count_syncs(trainer, batch, args.repeats + 3, arm)
+        print(f"      host syncs in one update: {sum(syncs.values())}", flush=True)
+        for site, count in syncs.items():
+            print(f"        x{count:<4d} {site[:200]}", flush=True)
     del trainer, model
     if args.device == "cuda":
         # the 1.5B arms' peaks grew by about 4 GiB an arm on 2026-12-05 (both heads alike): collect any
@@ -320,6 +366,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--profile", action="store_true", help="one more update per arm under torch.profiler")
+    p.add_argument("--syncs", action="store_true", help="one more update per arm counting host syncs (CUDA)")
     p.add_argument(
         "--vary-lengths",
         type=int,
