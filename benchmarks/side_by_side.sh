@@ -85,6 +85,8 @@
 #           (update_precision.py --syncs); no vLLM kit
 #   head24s head24a's W update arms and its two GPU test files alone (about 270 s)
 #   head24m W's update with each head and the per-micro-batch cast, once each (about 140 s)
+#   sync25  the update's inputs from pinned memory against the earlier per-row, pageable copies (_rowcopy),
+#           host waits counted, the Triton head beside them (0.4B, 1.5B); the waits' GPU tests (~220 s)
 #   head24  W in whole steps, the Triton head against the default interleaved, then with the body's CUDA
 #           graphs; the small job as shipped (not yet run)
 #   big24   the 1.5B shape in whole steps, the Triton head against the default (no TRL; not yet run)
@@ -202,6 +204,13 @@ update_arms() {  # PART SHAPE TIMEOUT [update_precision.py options]: the update 
   timeout "$limit" python3 benchmarks/update_precision.py --shapes "$shape" --share off "$@" \
     --out "$R/$part/$shape.json" >"$R/$part/$shape.log" 2>&1
   echo "$part $shape rc=$?"; grep -E "update|profiled:|left allocated|Error|^        x[0-9]" "$R/$part/$shape.log" | cut -c1-230
+  pack
+}
+sync25_tests() {  # TIMEOUT: the GPU tests of the host waits (tests/gpu/test_gpu_smoke.py), into $R/tests/sync25_gpu.log
+  mkdir -p "$R/tests"
+  timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_smoke.py \
+    -k "host_sync or waits_for_the_gpu" >"$R/tests/sync25_gpu.log" 2>&1
+  echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/sync25_gpu.log" | tail -12 | cut -c1-300
   pack
 }
 head24_tests() {  # TIMEOUT: the Triton head's GPU tests, the fused kernels' (the file its run test once
@@ -693,6 +702,17 @@ case "${1:-}" in
     # the least of head24a: W's update alone with the default head, the Triton head, the per-micro-batch cast
     kit_free
     update_arms head24 0.5b 130 --repeats 3 --micro-batch 64 --syncs --arms mixed_fused,mixed_fused_trt,mixed_fused_mbcast ;;
+  sync25)
+    # the twenty-fifth session's inputs from pinned memory (policy/transfer.py) against the copies of
+    # before (_rowcopy: per row and from pageable memory, host waits), with the host waits counted; the
+    # Triton head against the default beside them (W and the 1.5B shape, the update alone); then the
+    # GPU tests of the waits. No vLLM kit
+    kit_free
+    update_arms sync25 0.5b 200 --repeats 4 --micro-batch 64 --profile --syncs \
+      --arms mixed_fused,mixed_fused_rowcopy,mixed_fused_trt,mixed_fused,mixed_fused_rowcopy,mixed_fused_trt
+    sync25_tests 60
+    update_arms sync25 1.5b 110 --repeats 3 --micro-batch 32 --syncs \
+      --arms mixed_fused,mixed_fused_trt,mixed_fused_rowcopy,mixed_fused,mixed_fused_trt ;;
   head24)
     # W in whole steps with the Triton head (t) against the default log_softmax head (s), interleaved in one
     # process on one engine (grpo_step.py's head arm key), then with the body's CUDA graphs (g) against

@@ -31,6 +31,8 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
 - ``mixed_fused_cuda_graphs``: both, the fused kernels recorded into the body's graphs.
 - an arm name ending in ``_mbcast`` (``mixed_fused_mbcast``): that arm with its weights cast once per
   micro-batch, as before the twenty-third session, instead of once per mini-batch (before/after);
+- ending in ``_rowcopy``: that arm with its inputs moved to the device as before the twenty-fifth
+  session (the sampler's logprobs a row at a time, the rest from pageable memory: host waits);
 - an arm name ending in ``_lse`` (``mixed_fused_lse``): that arm with the logprob head of before the
   twenty-second session, ``gather(logits) - logsumexp(logits.float())`` per chunk; ending in ``_trt``:
   with the two Triton kernels of ``model.triton_logprob_head`` (CUDA), instead of the default one fp32
@@ -63,6 +65,7 @@ No rollout engine: the update does not depend on it (the W step's other parts ar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -104,15 +107,22 @@ def make_batch(prompts: int, completion_len: int, prompt_len: int = PROMPT_LEN) 
     )
 
 
-ARM_SUFFIXES = {"_lse": "logsumexp", "_trt": "triton", "_mbcast": "cast per micro-batch"}
+ARM_SUFFIXES = {
+    "_lse": "logsumexp",
+    "_trt": "triton",
+    "_mbcast": "cast per micro-batch",
+    "_rowcopy": "inputs copied per row, synchronously",
+}
 
 
-def split_arm(arm: str) -> tuple[str, str, bool]:
-    """``(base arm, logprob head, weights cast per micro-batch)`` of an arm name with at most one of
-    ``ARM_SUFFIXES`` (the head: ``logsumexp``, ``triton``, else the default ``log_softmax``)."""
+def split_arm(arm: str) -> tuple[str, str, str]:
+    """``(base arm, logprob head, emulated earlier path)`` of an arm name with at most one of
+    ``ARM_SUFFIXES`` (the head: ``logsumexp``, ``triton``, else the default ``log_softmax``; the
+    emulation: ``mbcast``, ``rowcopy`` or "")."""
     suffix = next((s for s in ARM_SUFFIXES if arm.endswith(s)), "")
     head = ARM_SUFFIXES[suffix] if suffix in ("_lse", "_trt") else "log_softmax"
-    return arm.removesuffix(suffix) if suffix else arm, head, suffix == "_mbcast"
+    emulation = suffix.lstrip("_") if suffix in ("_mbcast", "_rowcopy") else ""
+    return arm.removesuffix(suffix) if suffix else arm, head, emulation
 
 
 def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "auto") -> Any:
@@ -123,7 +133,7 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
     from posttrain.policy.objective import grpo_objective
     from posttrain.policy.trainer import PolicyTrainer
 
-    arm, head, cast_per_micro_batch = split_arm(arm)
+    arm, head, emulation = split_arm(arm)
     use_logprob_head(head)
     cfg = GRPOConfig()
     cfg.rl.group_size, cfg.rl.batch_per_replica = SAMPLES, args.prompts * SAMPLES
@@ -156,9 +166,43 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
         apply_fused_kernels(model)
     elif arm not in ("bf16", "mixed", "mixed_compiled", "mixed_cuda_graphs"):
         raise SystemExit(f"unknown arm {arm!r}")
-    if cast_per_micro_batch:
+    if emulation == "mbcast":
         cast_weights_per_micro_batch(trainer)
     return trainer
+
+
+@contextlib.contextmanager
+def inputs_copied_per_row() -> Any:
+    """The micro-batch's inputs moved as before the twenty-fifth session (the before/after arm
+    ``_rowcopy``): the sampler's logprobs copied to the device row by row, the rows' advantages,
+    loss flags and lengths as synchronous copies from pageable memory, the model batch's tensors as
+    ``non_blocking`` copies from pageable memory (``policy/transfer.py`` says why each waits)."""
+    from posttrain.policy import batching, routing, shared_prefix, train_batch, trainer
+
+    def pageable(t: Any, device: Any) -> Any:
+        return t.to(device)
+
+    def pageable_non_blocking(t: Any, device: Any) -> Any:
+        return t.to(device, non_blocking=True)
+
+    def pad_rows_per_row(rows: list[Any], width: int, device: Any) -> Any:
+        out = torch.zeros(len(rows), width, dtype=torch.float32, device=device)
+        for i, row in enumerate(rows):
+            n = min(width, row.numel())
+            out[i, :n] = row[:n]
+        return out
+
+    patches = [(m, "to_device", pageable) for m in (routing, shared_prefix, train_batch, trainer)]
+    patches += [(batching, "to_device", pageable_non_blocking)]
+    patches += [(m, "pad_rows", pad_rows_per_row) for m in (train_batch, trainer)]
+    saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
+    for m, name, value in patches:
+        setattr(m, name, value)
+    try:
+        yield
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
 
 
 def cast_weights_per_micro_batch(trainer: Any) -> None:
@@ -167,7 +211,6 @@ def cast_weights_per_micro_batch(trainer: Any) -> None:
     backward from the same copies). ``train_on``'s one entry per mini-batch is replaced by one that
     casts afresh as each pass begins (``_loss_inputs``) and lets the last pass's copies go at its
     end (the before/after arm ``_mbcast``)."""
-    import contextlib
     import sys
 
     compute, loss_inputs = trainer._compute, trainer._loss_inputs
@@ -278,6 +321,13 @@ def count_syncs(trainer: Any, batch: Any, step: int, arm: str) -> dict[str, int]
 
 
 def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto") -> dict[str, Any]:
+    """One arm: its timed updates, and the profile and sync count when asked for."""
+    earlier_copies = split_arm(arm)[2] == "rowcopy"
+    with inputs_copied_per_row() if earlier_copies else contextlib.nullcontext():
+        return _run_arm(shape, arm, args, share)
+
+
+def _run_arm(shape: str, arm: str, args: argparse.Namespace, share: str) -> dict[str, Any]:
     dtype = torch.bfloat16 if arm == "bf16" else torch.float32
     model = make_model(shape, dtype, args.device)
     params = sum(p.numel() for p in model.parameters())

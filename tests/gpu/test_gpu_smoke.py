@@ -56,3 +56,70 @@ def test_the_body_forward_of_padded_rows_makes_no_host_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert hidden.shape == (4, 32, 64)
+
+
+def _host_waits_in_one_update(rows: int, micro_batch: int) -> list[str]:
+    """Where one ``train_on`` of ``rows`` completions made the host wait for the GPU (CUDA's sync
+    debug mode), as ``file:line`` of the innermost posttrain frame."""
+    import traceback
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from posttrain.config.schema import GRPOConfig
+    from posttrain.policy.objective import grpo_objective
+    from posttrain.policy.train_batch import TrainBatch
+    from posttrain.policy.trainer import PolicyTrainer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).cuda()
+    cfg = GRPOConfig()
+    cfg.rl.group_size, cfg.rl.batch_per_replica, cfg.rl.micro_batch_per_replica = 4, rows, micro_batch
+    cfg.rl.kl_beta, cfg.model.cuda_graphs, cfg.model.fused_kernels = 0.0, False, False
+    trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=0)
+    g = torch.Generator().manual_seed(0)
+    completions = [torch.randint(1, 128, (12,), generator=g).tolist() for _ in range(rows)]
+    batch = TrainBatch(
+        prompt_ids=[[5, 6, 7]] * rows,
+        completion_ids=completions,
+        advantages_B=torch.randn(rows, generator=g),
+        in_loss_B=torch.ones(rows, dtype=torch.bool),
+        sampler_logprobs=[[-2.0] * 12 for _ in completions],  # padded per micro-batch: once a row before
+        group_size=4,
+    )
+    trainer.train_on(batch, step=1)  # warm-up: first-use initialisations may wait once
+    sites: list[str] = []
+
+    def record(message: Any, *_where: Any) -> None:
+        if "synchronizing" in str(message):
+            ours = [f for f in traceback.extract_stack() if "/posttrain/" in f.filename]
+            sites.append(f"{ours[-1].filename.rsplit('/posttrain/', 1)[1]}:{ours[-1].lineno}" if ours else "?")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_on(batch, step=2)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites
+
+
+def test_an_update_waits_for_the_gpu_a_fixed_number_of_times_not_once_a_row() -> None:
+    # a micro-batch's inputs go to the GPU from pinned memory (policy/transfer.py); the waits left are
+    # the optimizer step's and the metrics' own, the same at any row or micro-batch count
+    base = _host_waits_in_one_update(16, 4)  # 4 micro-batches of 4 rows
+    more_rows, more_micro_batches = _host_waits_in_one_update(32, 8), _host_waits_in_one_update(16, 2)
+    assert len(base) == len(more_rows) == len(more_micro_batches), (base, more_rows, more_micro_batches)
+    assert len(base) <= 12, base

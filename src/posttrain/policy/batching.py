@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posttrain.policy.transfer import to_device
+
 
 @dataclass
 class PolicyBatch:
@@ -167,7 +169,7 @@ def build_policy_batch(
     sources = [start_B[b] + len(prompt_ids[b]) - 1 + t for b, t in zip(rows, cols)]
 
     def put(t: Tensor) -> Tensor:
-        return t.to(device, non_blocking=True)
+        return to_device(t, device)
 
     return PolicyBatch(
         input_ids_RL=put(input_ids_RL),

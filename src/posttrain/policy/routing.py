@@ -34,6 +34,7 @@ from posttrain.models.routing_replay import pin_routing
 from posttrain.policy.batching import PolicyBatch
 from posttrain.policy.shared_prefix import GroupedBatch
 from posttrain.policy.train_batch import RoutingTrace, TrainBatch
+from posttrain.policy.transfer import to_device
 
 
 def sequence_routing(trace_SMK: Tensor, length: int, where: str = "completion") -> Tensor:
@@ -154,7 +155,7 @@ class RoutingReplay:
         completions = [batch.completion_ids[i] for i in rows]
         trace = RoutingTrace([batch.routing.experts[i] for i in rows])
         check_trace_shape(trace, *self._shape)
-        self._calls = [t.to(self.device) for t in batch_routing(mb, trace, prompts, completions)]
+        self._calls = [to_device(t, self.device) for t in batch_routing(mb, trace, prompts, completions)]
         return sum(len(p) + len(c) for p, c in zip(prompts, completions))
 
     def pinned(self, model: nn.Module) -> AbstractContextManager[None]:

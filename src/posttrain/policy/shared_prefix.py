@@ -20,6 +20,7 @@ from torch import Tensor
 from posttrain.models.structure import split_body_and_head
 from posttrain.policy.batching import completion_grid
 from posttrain.policy.logprobs import chunked_head_logprobs
+from posttrain.policy.transfer import to_device
 
 # Where ``model.share_prompt_prefix=auto`` shares on a GPU. Measured on one H200 (the update alone,
 # benchmarks/update_precision.py --share on,off; docs/benchmarks.md, "eighth session"): the shared
@@ -77,13 +78,13 @@ def build_grouped_batch(
         pmask_NP[i, width_p - len(p) :] = 1
     comp_BT, cmask_BT, rows, cols = completion_grid(completion_ids, pad_id=pad_id, width=width_t)
     return GroupedBatch(
-        prompt_NP.to(device),
-        pmask_NP.to(device),
-        comp_BT.to(device),
-        cmask_BT.to(device),
+        to_device(prompt_NP, device),
+        to_device(pmask_NP, device),
+        to_device(comp_BT, device),
+        to_device(cmask_BT, device),
         group_size,
-        torch.tensor(rows, dtype=torch.long).to(device),
-        torch.tensor(cols, dtype=torch.long).to(device),
+        to_device(torch.tensor(rows, dtype=torch.long), device),
+        to_device(torch.tensor(cols, dtype=torch.long), device),
     )
 
 

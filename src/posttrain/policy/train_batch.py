@@ -18,6 +18,7 @@ import torch
 
 from posttrain.errors import TrainingError
 from posttrain.policy.images import ImageInputs
+from posttrain.policy.transfer import to_device
 
 # Teacher logprob written at padding positions: finite, so nothing non-finite exists even where masked.
 PAD_LOGPROB = -30.0
@@ -90,12 +91,15 @@ class TrainBatch:
 
 
 def pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
-    """1-D float rows right-padded with zeros to ``width`` columns."""
-    out = torch.zeros(len(rows), width, dtype=torch.float32, device=device)
+    """1-D float rows right-padded with zeros to ``width`` columns, on ``device``. Rows on the host
+    are padded there and moved as one tensor (``to_device``): a copy per row would make the host wait
+    for the GPU once per row."""
+    on_host = all(row.device.type == "cpu" for row in rows)
+    out = torch.zeros(len(rows), width, dtype=torch.float32, device="cpu" if on_host else device)
     for i, row in enumerate(rows):
         n = min(width, row.numel())
         out[i, :n] = row[:n]
-    return out
+    return to_device(out, device)
 
 
 def sampler_logprobs_rows(
@@ -114,7 +118,7 @@ def sampler_logprobs_rows(
     logprobs_BT = pad_rows(rows_T, width, device)
     if all(lp is not None for lp in chosen):
         return logprobs_BT, None
-    return logprobs_BT, torch.tensor([lp is not None for lp in chosen], dtype=torch.bool, device=device)
+    return logprobs_BT, to_device(torch.tensor([lp is not None for lp in chosen], dtype=torch.bool), device)
 
 
 def token_advantage_rows(
@@ -149,7 +153,7 @@ def sampler_head_tensors(
             ids_tk = torch.tensor(head.ids[i], dtype=torch.long)
             ids_BTK[j, :n, : ids_tk.shape[1]] = ids_tk
             logprobs_BTK[j, :n, : ids_tk.shape[1]] = torch.tensor(head.logprobs[i], dtype=torch.float32)
-    return ids_BTK.to(device), logprobs_BTK.to(device)
+    return to_device(ids_BTK, device), to_device(logprobs_BTK, device)
 
 
 def teacher_topk_tensors(
@@ -170,4 +174,4 @@ def teacher_topk_tensors(
         if n:
             ids_BTK[j, :n] = torch.tensor(topk.ids[i], dtype=torch.long)
             logprobs_BTK[j, :n] = torch.tensor(topk.logprobs[i], dtype=torch.float32)
-    return ids_BTK.to(device), logprobs_BTK.to(device)
+    return to_device(ids_BTK, device), to_device(logprobs_BTK, device)

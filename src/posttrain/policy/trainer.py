@@ -50,6 +50,7 @@ from posttrain.policy.train_batch import (
     teacher_topk_tensors,
     token_advantage_rows,
 )
+from posttrain.policy.transfer import to_device
 
 # objective_spec, TrainBatch and build_reference are re-exported: loop/resume.py, loop/grpo.py and
 # loop/run.py import them from here.
@@ -262,7 +263,7 @@ class PolicyTrainer:
         if rl.use_rollout_logprobs_for_loss:
             if any(lp is None for lp in batch.sampler_logprobs):  # the config check makes this unreachable
                 raise TrainingError("rl.use_rollout_logprobs_for_loss: the rollout recorded no sampler logprobs")
-            return [torch.tensor(lp, dtype=torch.float32, device=self.device) for lp in batch.sampler_logprobs]
+            return [torch.tensor(lp, dtype=torch.float32) for lp in batch.sampler_logprobs]  # host: see pad_rows
         if rl.n_mini == 1 or not self.objective.old_logprobs_pass:
             return None
         old: list[torch.Tensor | None] = [None] * len(batch.completion_ids)
@@ -340,7 +341,7 @@ class PolicyTrainer:
     ) -> LossInputs:
         logprobs_BT, topk = self._current_logprobs(batch, rows, pb)
         width = logprobs_BT.shape[1]
-        mask_BT = pb.completion_mask_BT.float() * batch.in_loss_B[rows].to(self.device).float()[:, None]
+        mask_BT = pb.completion_mask_BT.float() * to_device(batch.in_loss_B[rows], self.device).float()[:, None]
         if self.objective.ignore_prefix_tokens:
             mask_BT[:, : self.objective.ignore_prefix_tokens] = 0.0
         old_BT = logprobs_BT.detach() if old is None else pad_rows([old[i] for i in rows], width, self.device)
@@ -357,7 +358,7 @@ class PolicyTrainer:
             token_advantages_BT=token_adv_BT,
             logprobs_BT=logprobs_BT,
             old_logprobs_BT=old_BT,
-            advantages_B=batch.advantages_B[rows].to(self.device).float(),
+            advantages_B=to_device(batch.advantages_B[rows], self.device).float(),
             mask_BT=mask_BT,
             ref_logprobs_BT=ref_BT,
             sampler_logprobs_BT=sampler_BT,
@@ -391,9 +392,9 @@ class PolicyTrainer:
         skips_before = self.zero_grad_skips_total
         pinned = 0  # positions the training forwards ran pinned to the sampler's routing
         for mini in self._mini_batches(len(batch.completion_ids)):
-            in_loss = batch.in_loss_B[mini].to(self.device).float()
-            lengths = torch.tensor(
-                [len(batch.completion_ids[i]) for i in mini], dtype=torch.float32, device=self.device
+            in_loss = to_device(batch.in_loss_B[mini], self.device).float()
+            lengths = to_device(
+                torch.tensor([len(batch.completion_ids[i]) for i in mini], dtype=torch.float32), self.device
             )
             norm = LossNormalizer(num_tokens=(lengths * in_loss).sum(), num_seqs=in_loss.sum())
             norm = self.dp.global_normalizer(norm)  # counts of the whole step, all ranks

@@ -1,0 +1,34 @@
+"""A micro-batch's host inputs reach the device as few whole tensors (``policy/transfer.py``,
+``train_batch.pad_rows``); the pinned, non-blocking path itself is checked on a GPU
+(``tests/gpu/test_gpu_smoke.py``: an update's host waits do not grow with rows or micro-batches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from posttrain.policy import train_batch
+from posttrain.policy.train_batch import pad_rows
+from posttrain.policy.transfer import to_device
+
+
+def test_pad_rows_pads_and_cuts_host_rows_and_moves_them_as_one_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    moved: list[Tensor] = []
+
+    def recording(t: Tensor, device: torch.device | str) -> Tensor:
+        moved.append(t)
+        return to_device(t, device)
+
+    monkeypatch.setattr(train_batch, "to_device", recording)
+    rows = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([]), torch.tensor([4.0, 5.0, 6.0, 7.0, 8.0])]
+    out = pad_rows(rows, 4, torch.device("cpu"))
+    assert torch.equal(out, torch.tensor([[1.0, 2, 3, 0], [0, 0, 0, 0], [4, 5, 6, 7]]))
+    assert out.dtype == torch.float32
+    assert len(moved) == 1 and moved[0].shape == (3, 4)  # one copy for the micro-batch, not one a row
+
+
+def test_to_device_leaves_a_tensor_already_there_alone_and_takes_device_names() -> None:
+    t = torch.arange(3)
+    assert to_device(t, "cpu") is t
+    assert to_device(t, torch.device("cpu")) is t
