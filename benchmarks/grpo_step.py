@@ -140,7 +140,7 @@ ARM_KEYS = {
     "compile": lambda v: v in ("1", "true", "yes"),
     "fused_kernels": lambda v: v in ("1", "true", "yes"),  # turns them on (off cannot undo the patch)
     "cuda_graphs": lambda v: v in ("1", "true", "yes"),  # model.cuda_graphs, on or off per arm
-    # the logprob head per arm: log_softmax, triton or logsumexp (benchmarks/logprob_heads.py)
+    # the logprob head per arm: shipped, log_softmax, triton or logsumexp (benchmarks/logprob_heads.py)
     "head": str,
 }
 
@@ -468,10 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--head",
-        default="log_softmax",
+        default="shipped",
         choices=HEADS,
-        help="the policy's logprob head: log_softmax (the default), triton (model.triton_logprob_head) or "
-        "logsumexp (the earlier one); benchmarks/logprob_heads.py",
+        help="the policy's logprob head: shipped (as model.triton_logprob_head says: Triton on CUDA), log_softmax "
+        "(torch's), triton or logsumexp (the earlier one); benchmarks/logprob_heads.py",
     )
     p.add_argument("--async-scheduling", action="store_true", help="vLLM async scheduling")
     p.add_argument("--off-policy", action="store_true", help="rl.max_off_policy_steps=1: sample k+1 while k trains")

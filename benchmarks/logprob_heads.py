@@ -2,10 +2,12 @@
 and ``_lse`` arms, ``grpo_step.py``'s ``head`` arm key and ``--head``).
 
 ``use_logprob_head(name)`` makes the trainer's chunks (``posttrain.policy.logprobs._chunk_logprobs``)
-go through one of ``HEADS`` from then on, whatever ``model.triton_logprob_head`` says:
+go through one of ``HEADS`` from then on, whatever ``model.triton_logprob_head`` says, but for ``shipped``:
 
-- ``log_softmax``: one fp32 ``log_softmax`` over the bf16 logits and a gather (the default since the
-  twenty-second session);
+- ``shipped``: as the run's config says (``model.triton_logprob_head=auto``: the Triton kernels on CUDA
+  since the twenty-fifth session, ``log_softmax`` elsewhere);
+- ``log_softmax``: one fp32 ``log_softmax`` over the bf16 logits and a gather (the default from the
+  twenty-second to the twenty-fourth session, and on the CPU);
 - ``triton``: on CUDA the two Triton kernels of ``policy/logprob_kernels.py`` (``model.triton_logprob_head``,
   twenty-third session; elsewhere the same as ``log_softmax``);
 - ``logsumexp``: fp32 logits, their logsumexp and a gather (the head before the twenty-second session).
@@ -17,8 +19,8 @@ from typing import Any
 
 import torch
 
-HEADS = ("log_softmax", "triton", "logsumexp")
-_SHIPPED: dict[str, Any] = {}  # the shipped chunk function, kept before the logsumexp head replaces it
+HEADS = ("shipped", "log_softmax", "triton", "logsumexp")
+_SHIPPED: dict[str, Any] = {}  # the shipped chunk function and head test, kept before they are replaced
 
 
 def chunk_logprobs_logsumexp(
@@ -40,9 +42,10 @@ def use_logprob_head(name: str) -> None:
     if name not in HEADS:
         raise SystemExit(f"unknown logprob head {name!r} (known: {', '.join(HEADS)})")
     shipped = _SHIPPED.setdefault("head", logprobs._chunk_logprobs)
+    shipped_test = _SHIPPED.setdefault("enabled_for", logprob_kernels.enabled_for)
     logprobs._chunk_logprobs = chunk_logprobs_logsumexp if name == "logsumexp" else shipped
 
     def triton_if_available(head: Any, logits: torch.Tensor) -> bool:
         return name == "triton" and logprob_kernels.available(logits)
 
-    logprob_kernels.enabled_for = triton_if_available
+    logprob_kernels.enabled_for = shipped_test if name == "shipped" else triton_if_available

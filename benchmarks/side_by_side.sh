@@ -87,6 +87,7 @@
 #   head24m W's update with each head and the per-micro-batch cast, once each (about 140 s)
 #   sync25  the update's inputs from pinned memory against the earlier per-row, pageable copies (_rowcopy),
 #           host waits counted, the Triton head beside them (0.4B, 1.5B); the waits' GPU tests (~220 s)
+#   tests25 the kit-free GPU test files with the Triton head on by default (~330 s at most)
 #   head24  W in whole steps, the Triton head against the default interleaved, then with the body's CUDA
 #           graphs; the small job as shipped (not yet run)
 #   big24   the 1.5B shape in whole steps, the Triton head against the default (no TRL; not yet run)
@@ -713,6 +714,16 @@ case "${1:-}" in
     sync25_tests 60
     update_arms sync25 1.5b 110 --repeats 3 --micro-batch 32 --syncs \
       --arms mixed_fused,mixed_fused_trt,mixed_fused_rowcopy,mixed_fused,mixed_fused_trt ;;
+  tests25)
+    # the GPU test files that need no vLLM kit, with model.triton_logprob_head=auto on (the twenty-fifth
+    # session's default): the smoke runs, the CUDA graphs', the checkpoints', the heads', the fused kernels'
+    kit_free
+    mkdir -p "$R/tests"
+    timeout 330 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_smoke.py tests/gpu/test_cuda_graphs_gpu.py \
+      tests/gpu/test_checkpoint_gpu.py tests/gpu/test_logprob_head_gpu.py tests/gpu/test_fused_kernels_gpu.py \
+      >"$R/tests/tests25_gpu.log" 2>&1
+    echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/tests25_gpu.log" | tail -20 | cut -c1-300
+    pack ;;
   head24)
     # W in whole steps with the Triton head (t) against the default log_softmax head (s), interleaved in one
     # process on one engine (grpo_step.py's head arm key), then with the body's CUDA graphs (g) against

@@ -35,8 +35,9 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
   session (the sampler's logprobs a row at a time, the rest from pageable memory: host waits);
 - an arm name ending in ``_lse`` (``mixed_fused_lse``): that arm with the logprob head of before the
   twenty-second session, ``gather(logits) - logsumexp(logits.float())`` per chunk; ending in ``_trt``:
-  with the two Triton kernels of ``model.triton_logprob_head`` (CUDA), instead of the default one fp32
-  ``log_softmax`` per chunk (``benchmarks/logprob_heads.py``), for the before/after in one process.
+  with the two Triton kernels of ``model.triton_logprob_head`` (CUDA; on by default there since the
+  twenty-fifth session), instead of torch's one fp32 ``log_softmax`` per chunk, which the other arms
+  keep (``benchmarks/logprob_heads.py``), for the before/after in one process.
 
 ``--profile`` runs each arm's update once more under torch.profiler and prints the wall time against
 the GPU's busy time (kernel time summed), the kernels launched and the aten calls: an update whose

@@ -115,6 +115,28 @@ def test_the_trainer_marks_the_policy_and_reference_heads(tiny_model_dir: str) -
             assert getattr(split_body_and_head(model)[1], logprob_kernels._MARK) is on
 
 
+def test_auto_marks_the_heads_of_a_cuda_policy_with_triton_only(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    auto = build_config(None, []).model
+    assert auto.triton_logprob_head == "auto"  # the default
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    head = split_body_and_head(policy)[1]
+
+    def marked(device: str) -> tuple[bool, str]:
+        note = logprob_kernels.use_triton_head(policy, None, model_cfg=auto, device=torch.device(device))
+        return getattr(head, logprob_kernels._MARK), note
+
+    assert marked("cpu") == (False, "model.triton_logprob_head=auto: off, the policy is on cpu, not CUDA")
+    # the choice reads the device's type only, so a CPU model stands for a CUDA one here
+    monkeypatch.setattr(logprob_kernels.importlib.util, "find_spec", lambda name: object())
+    assert marked("cuda") == (True, "model.triton_logprob_head=auto: on (a CUDA policy, Triton installed)")
+    monkeypatch.setattr(logprob_kernels.importlib.util, "find_spec", lambda name: None)
+    assert marked("cuda") == (False, "model.triton_logprob_head=auto: off, Triton is not installed")
+
+
 def _errors(*overrides: str, cuda_major: int | None) -> list[str]:
     findings = Findings()
     preflight.check_triton_logprob_head(build_config(None, list(overrides)), findings, cuda_major=cuda_major)
@@ -122,8 +144,8 @@ def _errors(*overrides: str, cuda_major: int | None) -> list[str]:
 
 
 def test_the_preflight_refuses_it_off_cuda_and_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert build_config(None, []).model.triton_logprob_head is False
-    assert _errors("model.device=cpu", cuda_major=None) == []  # off: nothing to check
+    assert _errors("model.device=cpu", cuda_major=None) == []  # auto: off where it cannot run, no error
+    assert _errors("model.triton_logprob_head=false", cuda_major=None) == []
     assert _errors(ON, "model.device=cpu", cuda_major=13) == [
         "model.triton_logprob_head=true runs Triton kernels on CUDA only, but model.device=cpu; "
         "set model.triton_logprob_head=false"

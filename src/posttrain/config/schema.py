@@ -110,13 +110,12 @@ class ModelConfig(Section):
     VL, several ranks."""
     logprob_chunk_tokens: int = Field(1024, ge=16)
     """Tokens per chunk when computing per-token logprobs; bounds the fp32 [tokens, vocab] buffer."""
-    triton_logprob_head: bool = False
-    """On CUDA, each logprob chunk's softmax and its gradient as two Triton kernels (policy/logprob_kernels.py):
-    one pass each over the bf16 logits and no fp32 [tokens, vocab] buffer, where the default's fp32 log_softmax
-    takes about six passes. The same values to fp32 rounding (tested in Triton's interpreter on the CPU and on
-    an H100); off until its speed is measured on a GPU (docs/benchmarks.md, twenty-third and twenty-fourth
-    sessions). A model with a final-logit softcap keeps the default path. Needs a CUDA policy and Triton (CUDA
-    builds of torch ship it)."""
+    triton_logprob_head: bool | Literal["auto"] = "auto"
+    """Each logprob chunk's softmax and its gradient as two Triton kernels (policy/logprob_kernels.py): one pass
+    each over the bf16 logits and no fp32 [tokens, vocab] buffer, where torch's fp32 log_softmax takes about six
+    passes. The same values to fp32 rounding; one H100's update 0.555 -> 0.493 s at 0.4B, 1.45 -> 1.39 s at 1.5B
+    (docs/benchmarks.md, twenty-fifth session). ``auto``: on for a CUDA policy when Triton imports (CUDA builds
+    of torch ship it); ``true`` refuses a policy off CUDA or no Triton. A final-logit softcap keeps torch's path."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """Train low-rank adapters instead of every weight (``config/lora.py``, docs/lora.md); off by default."""
     freeze_vision_tower: bool = False

@@ -164,6 +164,8 @@ def start_run(cfg: RunConfig, argv: list[str], objective: Objective) -> Run:
         )
     elif trainer.device.type == "cuda":
         log.info(trainer.cuda_graphs_note)
+    if trainer.device.type == "cuda":  # on the CPU the kernels never run: no line
+        log.info(f"{trainer.triton_head_note} (the logprob head's softmax as two Triton kernels)")
     return Run(cfg, run_dir, log, roles, trainer, resume_identity(cfg), tokenizer, Cells(dp.cell, dp.size))
 
 

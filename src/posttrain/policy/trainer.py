@@ -91,8 +91,7 @@ class PolicyTrainer:
         self.precision = resolve_precision(dtype_name(self.dtype), cfg.model.compute_dtype, self.device)
         self.optimizer = build_optimizer(model, cfg.rl.optimizer, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.rl.optimizer, total_steps=cfg.rl.max_steps * cfg.rl.n_mini)
-        self.optimizer_step = 0
-        self.zero_grad_skips_total = 0
+        self.optimizer_step = self.zero_grad_skips_total = 0
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         self._share = False  # whether the current batch's prompts run once per group (_decide_sharing)
         self._free_B: torch.Tensor | None = None  # the current batch's rows that learn nothing (_free_rows)
@@ -108,7 +107,7 @@ class PolicyTrainer:
             apply_fused_kernels(model)
             if ref_model is not None and fusable(ref_model):  # the same kernels: equal logprobs at step 0
                 apply_fused_kernels(ref_model)
-        use_triton_head(model, ref_model, on=cfg.model.triton_logprob_head)  # policy/logprob_kernels.py
+        self.triton_head_note = use_triton_head(model, ref_model, model_cfg=cfg.model, device=self.device)
         if cfg.model.sequence_packing:
             check_packing_isolates(model)
         ref = ref_model is not None and objective.reference_logprobs  # model.cuda_graphs: models/cuda_graphs.py

@@ -66,7 +66,7 @@ def check_fused_kernels(cfg: RunConfig, out: Findings, cuda_major: int | None) -
 
 def check_triton_logprob_head(cfg: RunConfig, out: Findings, cuda_major: int | None) -> None:
     """``cuda_major``: the CUDA major version torch is built for, None for a CPU build."""
-    if not cfg.model.triton_logprob_head:
+    if cfg.model.triton_logprob_head is not True:  # auto turns itself off where it cannot run
         return
     head, off = "model.triton_logprob_head=true", "set model.triton_logprob_head=false"
     if (where := policy_off_cuda(cfg.model, cuda_major)) is not None:
