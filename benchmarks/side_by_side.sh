@@ -87,7 +87,7 @@
 #   head24m W's update with each head and the per-micro-batch cast, once each (about 140 s)
 #   sync25  the update's inputs from pinned memory against the earlier per-row, pageable copies (_rowcopy),
 #           host waits counted, the Triton head beside them (0.4B, 1.5B); the waits' GPU tests (~220 s)
-#   tests25 kit-free GPU test files with the Triton head on by default: smoke, CUDA graphs, checkpoints (~230 s at most)
+#   tests25 kit-free GPU test files with the Triton head on by default: smoke, CUDA graphs, checkpoints (~180 s at most)
 #   head24  W in whole steps, the Triton head against the default interleaved, then with the body's CUDA
 #           graphs; the small job as shipped (not yet run)
 #   big24   the 1.5B shape in whole steps, the Triton head against the default (no TRL; not yet run)
@@ -720,7 +720,7 @@ case "${1:-}" in
     # kernels' passed in head24a and sync25)
     kit_free
     mkdir -p "$R/tests"
-    timeout 230 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_smoke.py tests/gpu/test_cuda_graphs_gpu.py \
+    timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_smoke.py tests/gpu/test_cuda_graphs_gpu.py \
       tests/gpu/test_checkpoint_gpu.py >"$R/tests/tests25_gpu.log" 2>&1
     echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/tests25_gpu.log" | tail -20 | cut -c1-300
     pack ;;
