@@ -288,36 +288,22 @@ def profile_update(trainer: Any, batch: Any, device: str, step: int, arm: str) -
 def count_syncs(trainer: Any, batch: Any, step: int, arm: str) -> dict[str, int]:
     """One more update with CUDA's sync debug mode on: each place the host waited for the GPU, as
     "innermost frame outside torch <- innermost posttrain frame", with how often."""
-    import traceback
-    import warnings
     from collections import Counter
 
-    sites: Counter[str] = Counter()
+    from posttrain.policy.transfer import host_waits
 
-    def where(frame: traceback.FrameSummary) -> str:
+    def where(frame: Any) -> str:
         path = frame.filename
         for root in ("/posttrain/", "/transformers/", "/benchmarks/"):
             if root in path:
                 path = root.strip("/") + "/" + path.split(root, 1)[1]
         return f"{path}:{frame.lineno} {frame.name}"
 
-    def record(message: Any, *_where: Any) -> None:  # warnings.showwarning(message, category, file, line, ...)
-        if "synchronizing" not in str(message):
-            return
-        stack = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+    sites: Counter[str] = Counter()
+    for stack in host_waits(lambda: update(trainer, batch, step, arm)):
         outside_torch = next((f for f in reversed(stack) if "/torch/" not in f.filename), stack[-1])
         ours = next((f for f in reversed(stack) if "/posttrain/" in f.filename), outside_torch)
         sites[where(outside_torch) + ("" if ours is outside_torch else " <- " + where(ours))] += 1
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            update(trainer, batch, step, arm)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     return dict(sites.most_common())
 
 

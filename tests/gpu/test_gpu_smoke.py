@@ -30,23 +30,20 @@ def test_default_precision_on_cuda_is_mixed_and_a_run_trains(tiny_model_dir: str
     assert (precision.param_dtype, precision.compute_dtype) == (torch.float32, torch.bfloat16)
 
 
+def _tiny_llama_on_cuda(vocab: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config = LlamaConfig(vocab_size=vocab, num_key_value_heads=2, attn_implementation="sdpa", **shape)
+    return LlamaForCausalLM(config).cuda()
+
+
 def test_the_body_forward_of_padded_rows_makes_no_host_sync() -> None:
     # transformers' packing check reads the position ids on the host; padded rows skip it
     # (models.structure.rows_not_packed), so a micro-batch's forward queues behind the last backward
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from posttrain.models.structure import body_hidden_states, split_body_and_head
 
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    body, _ = split_body_and_head(LlamaForCausalLM(config).cuda())
+    body, _ = split_body_and_head(_tiny_llama_on_cuda(vocab=64))
     ids_RL = torch.randint(0, 64, (4, 32), device="cuda")
     body_hidden_states(body, ids_RL)  # warm-up: lazy initialisations may sync once
     torch.cuda.synchronize()
@@ -61,27 +58,14 @@ def test_the_body_forward_of_padded_rows_makes_no_host_sync() -> None:
 def _host_waits_in_one_update(rows: int, micro_batch: int) -> list[str]:
     """Where one ``train_on`` of ``rows`` completions made the host wait for the GPU (CUDA's sync
     debug mode), as ``file:line`` of the innermost posttrain frame."""
-    import traceback
-    import warnings
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from posttrain.config.schema import GRPOConfig
     from posttrain.policy.objective import grpo_objective
     from posttrain.policy.train_batch import TrainBatch
     from posttrain.policy.trainer import PolicyTrainer
+    from posttrain.policy.transfer import host_waits
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(config).cuda()
+    model = _tiny_llama_on_cuda(vocab=128)
     cfg = GRPOConfig()
     cfg.rl.group_size, cfg.rl.batch_per_replica, cfg.rl.micro_batch_per_replica = 4, rows, micro_batch
     cfg.rl.kl_beta, cfg.model.cuda_graphs, cfg.model.fused_kernels = 0.0, False, False
@@ -97,22 +81,10 @@ def _host_waits_in_one_update(rows: int, micro_batch: int) -> list[str]:
         group_size=4,
     )
     trainer.train_on(batch, step=1)  # warm-up: first-use initialisations may wait once
-    sites: list[str] = []
-
-    def record(message: Any, *_where: Any) -> None:
-        if "synchronizing" in str(message):
-            ours = [f for f in traceback.extract_stack() if "/posttrain/" in f.filename]
-            sites.append(f"{ours[-1].filename.rsplit('/posttrain/', 1)[1]}:{ours[-1].lineno}" if ours else "?")
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            trainer.train_on(batch, step=2)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    sites = []
+    for stack in host_waits(lambda: trainer.train_on(batch, step=2)):
+        ours = [f for f in stack if "/posttrain/" in f.filename]
+        sites.append(f"{ours[-1].filename.rsplit('/posttrain/', 1)[1]}:{ours[-1].lineno}" if ours else "?")
     return sites
 
 

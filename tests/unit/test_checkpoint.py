@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tiny_models
 import torch
 from torch import nn
 
@@ -57,20 +58,7 @@ class TiedNet(nn.Module):
 
 
 def tiny_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(config)
+    return tiny_models.tiny_llama(VOCAB)
 
 
 def build(kind: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tiny_models
 import torch
 from torch import nn
 
@@ -44,21 +45,7 @@ Trio = tuple[nn.Module, torch.optim.Optimizer, Any]
 
 
 def tiny_llama(*, config_dtype: str | None = None) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-        **({"dtype": config_dtype} if config_dtype else {}),
-    )
-    return LlamaForCausalLM(config)
+    return tiny_models.tiny_llama(VOCAB, config_dtype=config_dtype)
 
 
 def build(seed: int, **kw: Any) -> Trio:

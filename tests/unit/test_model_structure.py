@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 from torch import Tensor, nn
 
 from posttrain.models.structure import body_hidden_states, rows_not_packed, split_body_and_head
@@ -17,20 +18,8 @@ PACKED_L = torch.tensor([[0, 1, 2, 0, 1]])
 
 
 def tiny_body() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        attn_implementation="sdpa",
-    )
-    body, _ = split_body_and_head(LlamaForCausalLM(config).eval())
+    body, _ = split_body_and_head(tiny_llama(32, attention="sdpa").eval())
     return body
 
 

@@ -32,3 +32,31 @@ def test_to_device_leaves_a_tensor_already_there_alone_and_takes_device_names() 
     t = torch.arange(3)
     assert to_device(t, "cpu") is t
     assert to_device(t, torch.device("cpu")) is t
+
+
+def test_host_waits_lists_each_wait_from_run_inwards(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CUDA's sync debug mode reports a wait as a warning; here the work raises such warnings itself
+    # (no GPU), so what is checked is the recording: every wait, its stack from run inwards, nothing else
+    import threading
+    import warnings
+
+    from posttrain.policy import transfer
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    modes: list[str] = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def reads_a_gpu_value() -> None:
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+
+    def step() -> None:
+        for _ in range(3):
+            reads_a_gpu_value()
+        warnings.warn("some other warning", stacklevel=1)
+        other = threading.Thread(target=reads_a_gpu_value)  # another thread's wait is not run's
+        other.start()
+        other.join()
+
+    stacks = transfer.host_waits(step)
+    assert [[f.name for f in stack] for stack in stacks] == [["step", "reads_a_gpu_value"]] * 3
+    assert modes == ["warn", "default"]
