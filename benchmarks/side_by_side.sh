@@ -207,21 +207,17 @@ update_arms() {  # PART SHAPE TIMEOUT [update_precision.py options]: the update 
   echo "$part $shape rc=$?"; grep -E "update|profiled:|left allocated|Error|^        x[0-9]" "$R/$part/$shape.log" | cut -c1-230
   pack
 }
-sync25_tests() {  # TIMEOUT: the GPU tests of the host waits (tests/gpu/test_gpu_smoke.py), into $R/tests/sync25_gpu.log
+gpu_test_files() {  # NAME TIMEOUT PYTEST-ARGS...: `pytest -m gpu` over them, into $R/tests/NAME.log
+  local name=$1 limit=$2; shift 2
   mkdir -p "$R/tests"
-  timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_smoke.py \
-    -k "host_sync or waits_for_the_gpu" >"$R/tests/sync25_gpu.log" 2>&1
-  echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/sync25_gpu.log" | tail -12 | cut -c1-300
+  timeout "$limit" python3 -m pytest -m gpu -q -p no:cacheprovider "$@" >"$R/tests/$name.log" 2>&1
+  echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/$name.log" | tail -20 | cut -c1-300
   pack
 }
 head24_tests() {  # TIMEOUT: the Triton head's GPU tests, the fused kernels' (the file its run test once
   # polluted) and the padded body forward's no-sync check, into $R/tests/head24a_gpu.log
-  mkdir -p "$R/tests"
-  timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_logprob_head_gpu.py \
-    tests/gpu/test_fused_kernels_gpu.py tests/gpu/test_gpu_smoke.py::test_the_body_forward_of_padded_rows_makes_no_host_sync \
-    >"$R/tests/head24a_gpu.log" 2>&1
-  echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/head24a_gpu.log" | tail -12 | cut -c1-300
-  pack
+  gpu_test_files head24a_gpu "$1" tests/gpu/test_logprob_head_gpu.py tests/gpu/test_fused_kernels_gpu.py \
+    tests/gpu/test_gpu_smoke.py::test_the_body_forward_of_padded_rows_makes_no_host_sync
 }
 model() {  # SHAPE DIR: a random-weight model of that shape (benchmarks/make_random_model.py), once;
   # written aside and renamed, so a caller never finds half of one (one is made in the background)
@@ -711,7 +707,7 @@ case "${1:-}" in
     kit_free
     update_arms sync25 0.5b 200 --repeats 4 --micro-batch 64 --profile --syncs \
       --arms mixed_fused,mixed_fused_rowcopy,mixed_fused_trt,mixed_fused,mixed_fused_rowcopy,mixed_fused_trt
-    sync25_tests 60
+    gpu_test_files sync25_gpu 60 tests/gpu/test_gpu_smoke.py -k "host_sync or waits_for_the_gpu"
     update_arms sync25 1.5b 110 --repeats 3 --micro-batch 32 --syncs \
       --arms mixed_fused,mixed_fused_trt,mixed_fused_rowcopy,mixed_fused,mixed_fused_trt ;;
   tests25)
@@ -719,11 +715,7 @@ case "${1:-}" in
     # session's default): the smoke runs, the CUDA graphs', the checkpoints' (the heads' and the fused
     # kernels' passed in head24a and sync25)
     kit_free
-    mkdir -p "$R/tests"
-    timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gpu_smoke.py tests/gpu/test_cuda_graphs_gpu.py \
-      tests/gpu/test_checkpoint_gpu.py >"$R/tests/tests25_gpu.log" 2>&1
-    echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$R/tests/tests25_gpu.log" | tail -20 | cut -c1-300
-    pack ;;
+    gpu_test_files tests25_gpu 180 tests/gpu/test_gpu_smoke.py tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_checkpoint_gpu.py ;;
   head24)
     # W in whole steps with the Triton head (t) against the default log_softmax head (s), interleaved in one
     # process on one engine (grpo_step.py's head arm key), then with the body's CUDA graphs (g) against
