@@ -87,10 +87,14 @@
 #   head24m W's update with each head and the per-micro-batch cast, once each (about 140 s)
 #   sync25  the update's inputs from pinned memory against the earlier per-row, pageable copies (_rowcopy),
 #           host waits counted, the Triton head beside them (0.4B, 1.5B); the waits' GPU tests (~220 s)
+#   comp26  the update alone eager (shipped) against compiled layers, both with the Triton head (0.4B, 1.5B)
 #   tests25 kit-free GPU test files with the Triton head on by default: smoke, CUDA graphs, checkpoints (~180 s at most)
-#   head24  W in whole steps, the Triton head against the default interleaved, then with the body's CUDA
-#           graphs; the small job as shipped (not yet run)
-#   big24   the 1.5B shape in whole steps, the Triton head against the default (no TRL; not yet run)
+#   tests26 the GPU test files that need vLLM (vLLM, MoE, VL GRPO, engine apart), then smoke and checkpoints,
+#           with the Triton head on by default (~580 s at most)
+#   offp26  one-step off-policy W (engine core apart, compiled), then the CUDA graphs' GPU tests
+#   head24  W in whole steps as shipped (the Triton head) against the log_softmax head, interleaved, then with
+#           the body's CUDA graphs; the small job as shipped
+#   big24   the 1.5B shape in whole steps, as shipped against the log_softmax head; then TRL on W
 #   lease21s the small job as shipped, then TRL's small task (one call; a fresh machine converts the SmolLM2 first)
 #   table  the tables from /tmp/sbs
 #
@@ -710,31 +714,65 @@ case "${1:-}" in
     gpu_test_files sync25_gpu 60 tests/gpu/test_gpu_smoke.py -k "host_sync or waits_for_the_gpu"
     update_arms sync25 1.5b 110 --repeats 3 --micro-batch 32 --syncs \
       --arms mixed_fused,mixed_fused_trt,mixed_fused_rowcopy,mixed_fused,mixed_fused_trt ;;
+  comp26)
+    # the update alone, eager as shipped (the fused kernels and the Triton head) against each decoder layer
+    # compiled (model.compile=true, which leaves Liger's kernels out) with the Triton head, alternating in one
+    # process, at W (0.4B, profiled) and at 1.5B: how far from the MFU targets compiling is now. No vLLM kit
+    kit_free
+    update_arms comp26 0.5b 220 --repeats 3 --micro-batch 64 --profile \
+      --arms mixed_fused_trt,mixed_compiled_trt,mixed_fused_trt,mixed_compiled_trt
+    update_arms comp26 1.5b 170 --repeats 3 --micro-batch 32 --arms mixed_fused_trt,mixed_compiled_trt ;;
   tests25)
     # the GPU test files that need no vLLM kit, with model.triton_logprob_head=auto on (the twenty-fifth
     # session's default): the smoke runs, the CUDA graphs', the checkpoints' (the heads' and the fused
     # kernels' passed in head24a and sync25)
     kit_free
     gpu_test_files tests25_gpu 180 tests/gpu/test_gpu_smoke.py tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_checkpoint_gpu.py ;;
+  tests26)
+    # the GPU test files that need vLLM, with model.triton_logprob_head=auto on (the twenty-fifth session's
+    # default), each in a pytest process of its own (an engine's memory goes with its process); then the
+    # kit-free ones tests25 names, in what the call's ten minutes leave
+    environment
+    device_info
+    gpu_test_files vllm_gpu 160 tests/gpu/test_vllm_gpu.py
+    gpu_test_files moe_gpu 120 tests/gpu/test_moe_gpu.py
+    gpu_test_files vl_grpo_gpu 130 tests/gpu/test_vl_grpo_gpu.py
+    gpu_test_files engine_apart_gpu 120 tests/gpu/test_engine_apart_gpu.py
+    gpu_test_files tests25_gpu 50 tests/gpu/test_gpu_smoke.py tests/gpu/test_checkpoint_gpu.py ;;
+  offp26)
+    # one-step off-policy W (engine core apart, compiled layers) with this session's defaults, then the CUDA
+    # graphs' GPU tests with the Triton head on by default
+    environment
+    model 0.5b /tmp/m05
+    step w_offpolicy 200 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
+      --compile --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy.json"
+    pack
+    gpu_test_files cuda_graphs_gpu 200 tests/gpu/test_cuda_graphs_gpu.py ;;
   head24)
-    # W in whole steps with the Triton head (t) against the default log_softmax head (s), interleaved in one
-    # process on one engine (grpo_step.py's head arm key), then with the body's CUDA graphs (g) against
-    # the shipped eager body; then the small job as shipped
+    # W in whole steps as shipped (t: model.triton_logprob_head=auto, the Triton head on CUDA since the
+    # twenty-fifth session) against the torch log_softmax head before it (s), interleaved in one process on
+    # one engine (grpo_step.py's head arm key), then with the body's CUDA graphs (g); then the small job as
+    # shipped
     environment
     device_info
     model 0.5b /tmp/m05
+    (model 1.5b /tmp/m15 &)  # for big24, meanwhile
     step w_head24 420 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --out-dir "$R/samples_head24" \
-      --arms "t1:steps=4,head=triton;s1:steps=4;t2:steps=4,head=triton;s2:steps=4;t3:steps=4,head=triton;\
-g1:steps=4,cuda_graphs=1;s3:steps=4;g2:steps=4,cuda_graphs=1"
+      --arms "t1:steps=4;s1:steps=4,head=log_softmax;t2:steps=4;s2:steps=4,head=log_softmax;t3:steps=4;\
+g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     pack
     small_job small_shipped 150
     pack ;;
   big24)
-    # the 1.5B shape in whole steps with the Triton head (model.triton_logprob_head) and without
+    # the 1.5B shape in whole steps as shipped (t: the Triton head) and with the log_softmax head (s), then
+    # TRL on W for this lease's ratios
     environment
     model 1.5b /tmp/m15
     step w15_head24 300 --model /tmp/m15 --micro-batch 32 --out-dir "$R/samples_w15_head24" \
-      --arms "t1:steps=4,head=triton;s1:steps=4;t2:steps=4,head=triton;s2:steps=4"
+      --arms "t1:steps=4;s1:steps=4,head=log_softmax;t2:steps=4;s2:steps=4,head=log_softmax"
+    pack
+    model 0.5b /tmp/m05
+    trl w 150 /tmp/m05 32,8,256
     pack ;;
   lease21s)
     # the small job as shipped, then TRL's GRPOTrainer on the same task (its converted SmolLM2), one call

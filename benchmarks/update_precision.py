@@ -31,6 +31,9 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
 - ``mixed_fused_cuda_graphs``: both, the fused kernels recorded into the body's graphs.
 - an arm name ending in ``_mbcast`` (``mixed_fused_mbcast``): that arm with its weights cast once per
   micro-batch, as before the twenty-third session, instead of once per mini-batch (before/after);
+- ending in ``_rowbuild``: that arm with its micro-batches laid out on the host as before the
+  twenty-sixth session (a Python loop with a few small tensor operations per row and per-token
+  lists; since then ``policy.batching.ragged_slots`` places every token at once);
 - ending in ``_rowcopy``: that arm with its inputs moved to the device as before the twenty-fifth
   session (the sampler's logprobs a row at a time, the rest from pageable memory: host waits);
 - an arm name ending in ``_lse`` (``mixed_fused_lse``): that arm with the logprob head of before the
@@ -67,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import statistics
@@ -113,17 +117,20 @@ ARM_SUFFIXES = {
     "_trt": "triton",
     "_mbcast": "cast per micro-batch",
     "_rowcopy": "inputs copied per row, synchronously",
+    "_rowbuild": "micro-batches laid out per row on the host",
 }
 
 
 def split_arm(arm: str) -> tuple[str, str, str]:
-    """``(base arm, logprob head, emulated earlier path)`` of an arm name with at most one of
-    ``ARM_SUFFIXES`` (the head: ``logsumexp``, ``triton``, else the default ``log_softmax``; the
-    emulation: ``mbcast``, ``rowcopy`` or "")."""
-    suffix = next((s for s in ARM_SUFFIXES if arm.endswith(s)), "")
-    head = ARM_SUFFIXES[suffix] if suffix in ("_lse", "_trt") else "log_softmax"
-    emulation = suffix.lstrip("_") if suffix in ("_mbcast", "_rowcopy") else ""
-    return arm.removesuffix(suffix) if suffix else arm, head, emulation
+    """``(base arm, logprob head, emulated earlier path)`` of an arm name ending in at most one head
+    suffix and, after it, at most one emulation suffix of ``ARM_SUFFIXES`` (``mixed_fused_trt_rowbuild``:
+    the Triton head with the earlier layouts). The head: ``logsumexp``, ``triton``, else the default
+    ``log_softmax``; the emulation: ``mbcast``, ``rowcopy``, ``rowbuild`` or ""."""
+    emulation = next((s for s in ("_mbcast", "_rowcopy", "_rowbuild") if arm.endswith(s)), "")
+    arm = arm.removesuffix(emulation) if emulation else arm
+    head = next((s for s in ("_lse", "_trt") if arm.endswith(s)), "")
+    arm = arm.removesuffix(head) if head else arm
+    return arm, ARM_SUFFIXES[head] if head else "log_softmax", emulation.lstrip("_")
 
 
 def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "auto") -> Any:
@@ -193,9 +200,18 @@ def inputs_copied_per_row() -> Any:
             out[i, :n] = row[:n]
         return out
 
+    def sampler_rows_per_row(batch: Any, rows: list[int], width: int, device: Any) -> Any:
+        if all(lp is None for lp in batch.sampler_logprobs):
+            return None, None
+        chosen = [batch.sampler_logprobs[i] for i in rows]
+        rows_T = [torch.tensor(lp if lp is not None else [], dtype=torch.float32) for lp in chosen]
+        recorded_B = None if all(lp is not None for lp in chosen) else torch.tensor([lp is not None for lp in chosen])
+        return pad_rows_per_row(rows_T, width, device), None if recorded_B is None else recorded_B.to(device)
+
     patches = [(m, "to_device", pageable) for m in (routing, shared_prefix, train_batch, trainer)]
     patches += [(batching, "to_device", pageable_non_blocking)]
     patches += [(m, "pad_rows", pad_rows_per_row) for m in (train_batch, trainer)]
+    patches += [(trainer, "sampler_logprobs_rows", sampler_rows_per_row)]
     saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
     for m, name, value in patches:
         setattr(m, name, value)
@@ -204,6 +220,76 @@ def inputs_copied_per_row() -> Any:
     finally:
         for m, name, value in saved:
             setattr(m, name, value)
+
+
+@contextlib.contextmanager
+def layouts_built_per_row() -> Any:
+    """The micro-batches laid out on the host as before the twenty-sixth session (the before/after
+    arm ``_rowbuild``): each row's tokens converted and written by a few small tensor operations of
+    their own, the completion tokens' rows, columns and sources as per-token Python lists, the
+    sampler's logprobs converted a row at a time. Same tensors, same device copies."""
+    from posttrain.policy import batching, train_batch, trainer
+
+    def per_row_batch(
+        prompt_ids: Any, completion_ids: Any, *, pad_id: int, device: Any, pack_capacity: Any = None
+    ) -> Any:
+        sequences = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+        lengths = [len(x) for x in sequences]
+        width = max(lengths, default=0)
+        layout = [[b] for b in range(len(sequences))]
+        if pack_capacity is not None:
+            width = max(width, pack_capacity)
+            layout = batching.pack_rows(lengths, width)
+        ids_RL = torch.full((len(layout), width), pad_id, dtype=torch.long)
+        mask_RL = torch.zeros((len(layout), width), dtype=torch.long)
+        pos_RL = torch.zeros((len(layout), width), dtype=torch.long)
+        start_B = [0] * len(sequences)
+        for r, members in enumerate(layout):
+            col = 0
+            for b in members:
+                n = lengths[b]
+                ids_RL[r, col : col + n] = torch.tensor(sequences[b], dtype=torch.long)
+                mask_RL[r, col : col + n] = 1
+                pos_RL[r, col : col + n] = torch.arange(n)
+                start_B[b], col = r * width + col, col + n
+            pos_RL[r, col:] = torch.arange(width - col)
+        longest = max((len(c) for c in completion_ids), default=0)
+        comp_BT = torch.full((len(completion_ids), longest), pad_id, dtype=torch.long)
+        cmask_BT = torch.zeros((len(completion_ids), longest), dtype=torch.float32)
+        rows: list[int] = []
+        cols: list[int] = []
+        for b, completion in enumerate(completion_ids):
+            comp_BT[b, : len(completion)] = torch.tensor(completion, dtype=torch.long)
+            cmask_BT[b, : len(completion)] = 1.0
+            rows += [b] * len(completion)
+            cols += range(len(completion))
+        sources = [start_B[b] + len(prompt_ids[b]) - 1 + t for b, t in zip(rows, cols)]
+        put = functools.partial(batching.to_device, device=device)
+        return batching.PolicyBatch(
+            put(ids_RL),
+            put(mask_RL),
+            None if pack_capacity is None else put(pos_RL),
+            put(cmask_BT),
+            put(comp_BT),
+            put(torch.tensor(rows, dtype=torch.long)),
+            put(torch.tensor(cols, dtype=torch.long)),
+            put(torch.tensor(sources, dtype=torch.long)),
+            start_B,
+        )
+
+    def pad_lists_per_row(values: list[Any], width: int, dtype: Any = torch.float32) -> Any:
+        out = torch.zeros(len(values), width, dtype=dtype)
+        for i, row in enumerate(values):
+            row_T = torch.tensor(row if row is not None else [], dtype=dtype)
+            out[i, : min(width, row_T.numel())] = row_T[:width]
+        return out
+
+    saved = (trainer.build_policy_batch, train_batch.pad_lists)
+    trainer.build_policy_batch, train_batch.pad_lists = per_row_batch, pad_lists_per_row
+    try:
+        yield
+    finally:
+        trainer.build_policy_batch, train_batch.pad_lists = saved
 
 
 def cast_weights_per_micro_batch(trainer: Any) -> None:
@@ -309,8 +395,9 @@ def count_syncs(trainer: Any, batch: Any, step: int, arm: str) -> dict[str, int]
 
 def run_arm(shape: str, arm: str, args: argparse.Namespace, share: str = "auto") -> dict[str, Any]:
     """One arm: its timed updates, and the profile and sync count when asked for."""
-    earlier_copies = split_arm(arm)[2] == "rowcopy"
-    with inputs_copied_per_row() if earlier_copies else contextlib.nullcontext():
+    emulation = split_arm(arm)[2]
+    earlier = {"rowcopy": inputs_copied_per_row, "rowbuild": layouts_built_per_row}.get(emulation)
+    with earlier() if earlier else contextlib.nullcontext():
         return _run_arm(shape, arm, args, share)
 
 

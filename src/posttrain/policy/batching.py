@@ -17,9 +17,12 @@ it. Those are built on the host here, so the forward never asks the device where
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -100,22 +103,53 @@ def packed_micro_batches(lengths: list[int], size: int) -> list[list[int]]:
     return dealt if cost(dealt) < cost(runs) else runs
 
 
+def ragged_slots(lengths_B: Tensor, starts_B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Where the tokens of ragged sequences go in a flat buffer, row-major, on the host: sequence ``b``
+    holds ``lengths_B[b]`` tokens from flat offset ``starts_B[b]`` on. Returns ``(slot_N, index_N,
+    owner_N)``: each token's flat slot, its index within its sequence and its sequence. A handful of
+    tensor operations whatever the number of sequences: a Python loop with a few small tensor
+    operations per row cost W's update about 15 ms of host time per micro-batch (twenty-sixth session)."""
+    owner_N = torch.repeat_interleave(torch.arange(len(lengths_B)), lengths_B)
+    first_N = torch.repeat_interleave(lengths_B.cumsum(0) - lengths_B, lengths_B)
+    index_N = torch.arange(len(owner_N)) - first_N
+    return starts_B[owner_N] + index_N, index_N, owner_N
+
+
+def flat_tensor(rows: Iterable[Iterable[Any]], count: int, dtype: torch.dtype) -> Tensor:
+    """The ``count`` numbers of ``rows`` end to end as one 1-D host tensor: numpy's ``fromiter`` reads
+    them about three times as fast as ``torch.tensor`` of a list (W's micro-batch: 0.27 against 0.91 ms
+    on a 2-core EPYC)."""
+    return torch.from_numpy(np.fromiter(chain.from_iterable(rows), _NUMPY[dtype], count=count))
+
+
+_NUMPY = {torch.long: np.int64, torch.float32: np.float32}
+
+
+def pad_lists(values: list[Any], width: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Rows of numbers (lists, or None for an empty row) right-padded with zeros to ``width``
+    columns (longer rows cut), as one host tensor ``[B, width]``: one conversion of all the numbers
+    at once instead of one per row."""
+    cut = [row[:width] if row is not None else () for row in values]
+    out = torch.zeros(len(cut), width, dtype=dtype)
+    lengths_B = torch.tensor([len(row) for row in cut], dtype=torch.long)
+    slot_N, _, _ = ragged_slots(lengths_B, torch.arange(len(cut)) * width)
+    out.view(-1)[slot_N] = flat_tensor(cut, len(slot_N), dtype)
+    return out
+
+
 def completion_grid(
     completion_ids: list[list[int]], *, pad_id: int, width: int
-) -> tuple[Tensor, Tensor, list[int], list[int]]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The completions right-padded to ``width`` columns, on the host: ids ``[B, width]``, their mask
-    (fp32, 1 on real tokens) and the ``(row, column)`` of every real token, row-major."""
+    (fp32, 1 on real tokens) and the row and column of every real token, row-major (``row_N``,
+    ``col_N``, long)."""
     ids_BT = torch.full((len(completion_ids), width), pad_id, dtype=torch.long)
     mask_BT = torch.zeros((len(completion_ids), width), dtype=torch.float32)
-    rows: list[int] = []
-    cols: list[int] = []
-    for b, completion in enumerate(completion_ids):
-        n = len(completion)
-        ids_BT[b, :n] = torch.tensor(completion, dtype=torch.long)
-        mask_BT[b, :n] = 1.0
-        rows += [b] * n
-        cols += range(n)
-    return ids_BT, mask_BT, rows, cols
+    lengths_B = torch.tensor([len(c) for c in completion_ids], dtype=torch.long)
+    slot_N, col_N, row_N = ragged_slots(lengths_B, torch.arange(len(completion_ids)) * width)
+    ids_BT.view(-1)[slot_N] = flat_tensor(completion_ids, len(slot_N), torch.long)
+    mask_BT.view(-1)[slot_N] = 1.0
+    return ids_BT, mask_BT, row_N, col_N
 
 
 def _check_rows(prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> None:
@@ -139,34 +173,37 @@ def build_policy_batch(
     needs at least one token (the first completion token is predicted from the prompt's last
     position)."""
     _check_rows(prompt_ids, completion_ids)
-    sequences = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
-    lengths = [len(s) for s in sequences]
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
     width = max(lengths, default=0)
     if pack_capacity is None:
-        layout = [[b] for b in range(len(sequences))]
+        layout = [[b] for b in range(len(lengths))]
     else:
         width = max(width, pack_capacity)
         layout = pack_rows(lengths, width)
-    input_ids_RL = torch.full((len(layout), width), pad_id, dtype=torch.long)
-    attention_mask_RL = torch.zeros((len(layout), width), dtype=torch.long)
-    position_ids_RL = torch.zeros((len(layout), width), dtype=torch.long)
-    start_B = [0] * len(sequences)  # flat offset of each sequence's first token in [R * L]
+    start_B = [0] * len(lengths)  # flat offset of each sequence's first token in [R * L]
+    fill_R = [0] * len(layout)  # tokens placed in each row
     for r, members in enumerate(layout):
-        col = 0
         for b in members:
-            n = lengths[b]
-            input_ids_RL[r, col : col + n] = torch.tensor(sequences[b], dtype=torch.long)
-            attention_mask_RL[r, col : col + n] = 1
-            position_ids_RL[r, col : col + n] = torch.arange(n)
-            start_B[b] = r * width + col
-            col += n
-        # the tail is a sequence of its own (positions from 0), so it never joins the last one
-        position_ids_RL[r, col:] = torch.arange(width - col)
+            start_B[b] = r * width + fill_R[r]
+            fill_R[r] += lengths[b]
+    starts_B = torch.tensor(start_B, dtype=torch.long)
+    slot_N, index_N, _ = ragged_slots(torch.tensor(lengths, dtype=torch.long), starts_B)
+    input_ids_RL = torch.full((len(layout), width), pad_id, dtype=torch.long)
+    sequences = (chain(p, c) for p, c in zip(prompt_ids, completion_ids))
+    input_ids_RL.view(-1)[slot_N] = flat_tensor(sequences, len(slot_N), torch.long)
+    attention_mask_RL = torch.zeros((len(layout), width), dtype=torch.long)
+    attention_mask_RL.view(-1)[slot_N] = 1
+    position_ids_RL = None
+    if pack_capacity is not None:
+        # each row's tail is a sequence of its own (positions from 0), so it never joins the last one
+        position_ids_RL = torch.arange(width) - torch.tensor(fill_R, dtype=torch.long)[:, None]
+        position_ids_RL.view(-1)[slot_N] = index_N
 
     longest = max((len(c) for c in completion_ids), default=0)
-    completion_ids_BT, completion_mask_BT, rows, cols = completion_grid(completion_ids, pad_id=pad_id, width=longest)
+    completion_ids_BT, completion_mask_BT, row_N, col_N = completion_grid(completion_ids, pad_id=pad_id, width=longest)
     # completion token t of sequence b is predicted by the position before it (the prompt's last for t = 0)
-    sources = [start_B[b] + len(prompt_ids[b]) - 1 + t for b, t in zip(rows, cols)]
+    last_prompt_B = starts_B + torch.tensor([len(p) for p in prompt_ids], dtype=torch.long) - 1
+    source_N = last_prompt_B[row_N] + col_N
 
     def put(t: Tensor) -> Tensor:
         return to_device(t, device)
@@ -174,11 +211,11 @@ def build_policy_batch(
     return PolicyBatch(
         input_ids_RL=put(input_ids_RL),
         attention_mask_RL=put(attention_mask_RL),
-        position_ids_RL=None if pack_capacity is None else put(position_ids_RL),
+        position_ids_RL=None if position_ids_RL is None else put(position_ids_RL),
         completion_mask_BT=put(completion_mask_BT),
         completion_ids_BT=put(completion_ids_BT),
-        row_N=put(torch.tensor(rows, dtype=torch.long)),
-        col_N=put(torch.tensor(cols, dtype=torch.long)),
-        source_N=put(torch.tensor(sources, dtype=torch.long)),
+        row_N=put(row_N),
+        col_N=put(col_N),
+        source_N=put(source_N),
         seq_start_B=start_B,
     )

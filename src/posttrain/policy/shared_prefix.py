@@ -76,15 +76,15 @@ def build_grouped_batch(
     for i, p in enumerate(prompt_ids):
         prompt_NP[i, width_p - len(p) :] = torch.tensor(p, dtype=torch.long)
         pmask_NP[i, width_p - len(p) :] = 1
-    comp_BT, cmask_BT, rows, cols = completion_grid(completion_ids, pad_id=pad_id, width=width_t)
+    comp_BT, cmask_BT, row_N, col_N = completion_grid(completion_ids, pad_id=pad_id, width=width_t)
     return GroupedBatch(
         to_device(prompt_NP, device),
         to_device(pmask_NP, device),
         to_device(comp_BT, device),
         to_device(cmask_BT, device),
         group_size,
-        to_device(torch.tensor(rows, dtype=torch.long), device),
-        to_device(torch.tensor(cols, dtype=torch.long), device),
+        to_device(row_N, device),
+        to_device(col_N, device),
     )
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.errors import TrainingError
+from posttrain.policy.batching import pad_lists
 from posttrain.policy.images import ImageInputs
 from posttrain.policy.transfer import to_device
 
@@ -114,8 +115,7 @@ def sampler_logprobs_rows(
     if all(lp is None for lp in batch.sampler_logprobs):
         return None, None
     chosen = [batch.sampler_logprobs[i] for i in rows]
-    rows_T = [torch.tensor(lp if lp is not None else [], dtype=torch.float32) for lp in chosen]
-    logprobs_BT = pad_rows(rows_T, width, device)
+    logprobs_BT = to_device(pad_lists(chosen, width), device)
     if all(lp is not None for lp in chosen):
         return logprobs_BT, None
     return logprobs_BT, to_device(torch.tensor([lp is not None for lp in chosen], dtype=torch.bool), device)
@@ -125,7 +125,7 @@ def token_advantage_rows(
     advantages: TokenAdvantages, rows: list[int], width: int, device: torch.device
 ) -> torch.Tensor:
     """The per-token advantages of ``rows`` padded with zeros to ``width`` (fp32)."""
-    return pad_rows([torch.tensor(advantages.values[i], dtype=torch.float32) for i in rows], width, device)
+    return to_device(pad_lists([advantages.values[i] for i in rows], width), device)
 
 
 def sampler_head_tensors(
