@@ -107,12 +107,16 @@ def ragged_slots(lengths_B: Tensor, starts_B: Tensor) -> tuple[Tensor, Tensor, T
     """Where the tokens of ragged sequences go in a flat buffer, row-major, on the host: sequence ``b``
     holds ``lengths_B[b]`` tokens from flat offset ``starts_B[b]`` on. Returns ``(slot_N, index_N,
     owner_N)``: each token's flat slot, its index within its sequence and its sequence. A handful of
-    tensor operations whatever the number of sequences: a Python loop with a few small tensor
-    operations per row cost W's update about 15 ms of host time per micro-batch (twenty-sixth session)."""
+    tensor operations whatever the number of sequences, where a loop with a few small tensor operations
+    per row took 7.3 ms of host time for one of W's micro-batches (1.3 ms now; twenty-sixth session,
+    ``benchmarks/layout_host_cost.py``)."""
     owner_N = torch.repeat_interleave(torch.arange(len(lengths_B)), lengths_B)
     first_N = torch.repeat_interleave(lengths_B.cumsum(0) - lengths_B, lengths_B)
     index_N = torch.arange(len(owner_N)) - first_N
     return starts_B[owner_N] + index_N, index_N, owner_N
+
+
+_NUMPY = {torch.long: np.int64, torch.float32: np.float32}  # flat_tensor's dtypes
 
 
 def flat_tensor(rows: Iterable[Iterable[Any]], count: int, dtype: torch.dtype) -> Tensor:
@@ -120,9 +124,6 @@ def flat_tensor(rows: Iterable[Iterable[Any]], count: int, dtype: torch.dtype) -
     them about three times as fast as ``torch.tensor`` of a list (W's micro-batch: 0.27 against 0.91 ms
     on a 2-core EPYC)."""
     return torch.from_numpy(np.fromiter(chain.from_iterable(rows), _NUMPY[dtype], count=count))
-
-
-_NUMPY = {torch.long: np.int64, torch.float32: np.float32}
 
 
 def pad_lists(values: list[Any], width: int, dtype: torch.dtype = torch.float32) -> Tensor:
