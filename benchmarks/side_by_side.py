@@ -160,6 +160,8 @@ def host_costs_table(r: Path) -> str:
     dirs = ["flat", "samples", *sorted(d.name for d in r.glob("samples_*") if d.is_dir())]
     runs = [p for d in dirs for p in sorted((r / d).glob("*.json"), key=lambda p: p.stat().st_mtime)]
     runs += [p for p in (r / f"{n}.json" for n in ("w_offpolicy_plan", "w_offpolicy_graphs")) if p.exists()]
+    if runs and not (r / "w").exists():  # one-step off-policy W (offp26) when the W table is absent
+        runs += [p for p in [r / "w_offpolicy.json"] if p.exists()]
     if runs:
         trl_w = r / "trl_w.json"  # TRL on W in the same lease (lease19s), when the W table above is absent
         trl = [trl_row(trl_w, "TRL 1.16, vLLM colocated 0.3")] if trl_w.exists() and not (r / "w").exists() else []
@@ -171,7 +173,8 @@ def host_costs_table(r: Path) -> str:
     return "\n\n".join(parts)
 
 
-UPDATE_DIRS = ("head24", "head22", "updprof")  # update_precision.py's JSON per shape (parts head24a, head22, updprof)
+# update_precision.py's JSON per shape (parts comp26 and its CUDA-graph call, sync25, head24a, head22, updprof, cgraphs)
+UPDATE_DIRS = ("comp26", "cgraphs26", "sync25", "head24", "head22", "updprof", "cgraphs")
 
 
 def update_table(r: Path) -> str:
@@ -208,10 +211,12 @@ def dir_tables(r: Path) -> str:
         ours, trl = r / f"{name}.json", r / f"trl_{name}.json"
         if ours.exists() and trl.exists():
             parts.append(f"## W's batch on the {title}\n\n" + pair_table(ours, trl, []))
-    parts.append("## How the cost grows\n\n" + growth_table(r))
-    parts.append("## The default recipe's small step\n\n" + small_table(r))
+    if (growth := growth_table(r)).count("\n") > 1:  # more than its header
+        parts.append("## How the cost grows\n\n" + growth)
+    if (small := small_table(r)).count("\n") > 1:
+        parts.append("## The default recipe's small step\n\n" + small)
     if host := host_costs_table(r):
-        parts.append("## Host costs: flat logprobs, the engine apart's sync, off-policy in one process\n\n" + host)
+        parts.append("## Interleaved arms and host costs (W and 1.5B arms, flat logprobs, off-policy)\n\n" + host)
     if update := update_table(r):
         parts.append("## The update alone (update_precision.py)\n\n" + update)
     return "\n\n".join(parts)

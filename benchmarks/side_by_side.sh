@@ -88,6 +88,7 @@
 #   sync25  the update's inputs from pinned memory against the earlier per-row, pageable copies (_rowcopy),
 #           host waits counted, the Triton head beside them (0.4B, 1.5B); the waits' GPU tests (~220 s)
 #   comp26  the update alone eager (shipped) against compiled layers, both with the Triton head (0.4B, 1.5B)
+#   cgraphs26 W's update alone eager against the body's CUDA graphs, both with the Triton head (~40 s)
 #   tests25 kit-free GPU test files with the Triton head on by default: smoke, CUDA graphs, checkpoints (~180 s at most)
 #   tests26 the GPU test files that need vLLM (vLLM, MoE, VL GRPO, engine apart), then smoke and checkpoints,
 #           with the Triton head on by default (~580 s at most)
@@ -722,6 +723,11 @@ case "${1:-}" in
     update_arms comp26 0.5b 220 --repeats 3 --micro-batch 64 --profile \
       --arms mixed_fused_trt,mixed_compiled_trt,mixed_fused_trt,mixed_compiled_trt
     update_arms comp26 1.5b 170 --repeats 3 --micro-batch 32 --arms mixed_fused_trt,mixed_compiled_trt ;;
+  cgraphs26)
+    # the body's CUDA graphs against eager at W, both with the Triton head, the eager arm on both sides (the
+    # twenty-sixth session ran this inline after comp26, on the slower second host, where they won)
+    kit_free
+    update_arms cgraphs26 0.5b 140 --repeats 3 --micro-batch 64 --arms mixed_fused_trt,mixed_fused_cuda_graphs_trt,mixed_fused_trt ;;
   tests25)
     # the GPU test files that need no vLLM kit, with model.triton_logprob_head=auto on (the twenty-fifth
     # session's default): the smoke runs, the CUDA graphs', the checkpoints' (the heads' and the fused
