@@ -210,7 +210,6 @@ def inputs_copied_per_row() -> Any:
 
     patches = [(m, "to_device", pageable) for m in (routing, shared_prefix, train_batch, trainer)]
     patches += [(batching, "to_device", pageable_non_blocking)]
-    patches += [(m, "pad_rows", pad_rows_per_row) for m in (train_batch, trainer)]
     patches += [(trainer, "sampler_logprobs_rows", sampler_rows_per_row)]
     saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
     for m, name, value in patches:

@@ -91,16 +91,10 @@ class TrainBatch:
     # dataclass of per-completion lists or tensors, which take_rows slices), never loose fields.
 
 
-def pad_rows(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
-    """1-D float rows right-padded with zeros to ``width`` columns, on ``device``. Rows on the host
-    are padded there and moved as one tensor (``to_device``): a copy per row would make the host wait
-    for the GPU once per row."""
-    on_host = all(row.device.type == "cpu" for row in rows)
-    out = torch.zeros(len(rows), width, dtype=torch.float32, device="cpu" if on_host else device)
-    for i, row in enumerate(rows):
-        n = min(width, row.numel())
-        out[i, :n] = row[:n]
-    return to_device(out, device)
+def gather_rows(padded_BT: torch.Tensor, rows: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """``rows`` of a padded ``[B, T]`` tensor (host or device), their first ``width`` columns, on ``device``:
+    one gather, its row indices moved like any input (``to_device``: no host wait)."""
+    return to_device(padded_BT[to_device(torch.tensor(rows), padded_BT.device), :width], device)
 
 
 def sampler_logprobs_rows(

@@ -25,7 +25,7 @@ from posttrain.models.cuda_graphs import graphed_body_for
 from posttrain.models.fused_kernels import apply_fused_kernels, fusable, fused_kernels_choice
 from posttrain.models.precision import compute_weights, dtype_name, resolve_precision
 from posttrain.models.structure import compile_layers, split_body_and_head
-from posttrain.policy.batching import PolicyBatch, build_policy_batch
+from posttrain.policy.batching import PolicyBatch, build_policy_batch, pad_lists
 from posttrain.policy.free_rows import free_groups_first, free_rows, packed_free_first
 from posttrain.policy.images import (
     SHARED_PROMPT_REFUSAL,
@@ -44,7 +44,7 @@ from posttrain.policy.routing import RoutingReplay
 from posttrain.policy.shared_prefix import GroupedBatch, build_grouped_batch, grouped_completion_logprobs, sharing_pays
 from posttrain.policy.train_batch import (
     TrainBatch,
-    pad_rows,
+    gather_rows,
     sampler_head_tensors,
     sampler_logprobs_rows,
     teacher_topk_tensors,
@@ -252,31 +252,32 @@ class PolicyTrainer:
 
     # -- passes --------------------------------------------------------------------------------
     @torch.no_grad()
-    def _old_logprobs(self, batch: TrainBatch) -> list[torch.Tensor] | None:
-        """pi_old per sequence: the sampler's logprobs, a frozen pass ahead (n_mini > 1), or None
-        (n_mini == 1: pi_old is the current policy itself, so the ratio is exactly one; or an
-        objective that forms no ratio)."""
+    def _old_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        """pi_old ``[B, T]`` (zeros past each completion, T its longest): the sampler's logprobs (on the
+        host), a frozen pass ahead (n_mini > 1), or None (n_mini == 1: pi_old is the current policy
+        itself, so the ratio is exactly one; or an objective that forms no ratio). One tensor, so each
+        micro-batch takes its rows with one gather, not a copy per row."""
         rl = self.cfg.rl
         if not self.objective.uses_old_logprobs:
             return None
+        width = max([1, *(len(c) for c in batch.completion_ids)])
         if rl.use_rollout_logprobs_for_loss:
             if any(lp is None for lp in batch.sampler_logprobs):  # the config check makes this unreachable
                 raise TrainingError("rl.use_rollout_logprobs_for_loss: the rollout recorded no sampler logprobs")
-            return [torch.tensor(lp, dtype=torch.float32) for lp in batch.sampler_logprobs]  # host: see pad_rows
+            return pad_lists(batch.sampler_logprobs, width)
         if rl.n_mini == 1 or not self.objective.old_logprobs_pass:
             return None
-        old: list[torch.Tensor | None] = [None] * len(batch.completion_ids)
+        old_BT = torch.zeros(len(batch.completion_ids), width, device=self.device)
         was_training = self.model.training
         self.model.train()  # same mode as the update pass, so the probe compares like with like
         for mini in self._mini_batches(len(batch.completion_ids)):
             for rows, _ in self._passes(batch, mini):  # the update's own passes: the same shapes
                 mb = self._model_batch(batch, rows)
                 self.routing.prepare(batch, rows, mb)
-                logprobs_BT = self._logprobs(self.model, mb, row_images(batch.images, rows))
-                for j, i in enumerate(rows):
-                    old[i] = logprobs_BT[j, : len(batch.completion_ids[i])].float()
+                logprobs_BT = self._logprobs(self.model, mb, row_images(batch.images, rows))  # 0 past each row's end
+                old_BT[to_device(torch.tensor(rows), self.device), : logprobs_BT.shape[1]] = logprobs_BT.float()
         self.model.train(was_training)
-        return [t for t in old if t is not None]
+        return old_BT
 
     def _logprobs_at(
         self, pb: PolicyBatch | GroupedBatch, ids_BTK: torch.Tensor, images: ImageInputs | None = None
@@ -336,14 +337,14 @@ class PolicyTrainer:
         return self._logprobs(self.model, pb, row_images(batch.images, rows)), {}
 
     def _loss_inputs(
-        self, batch: TrainBatch, rows: list[int], pb: PolicyBatch | GroupedBatch, old: list[torch.Tensor] | None
+        self, batch: TrainBatch, rows: list[int], pb: PolicyBatch | GroupedBatch, old: torch.Tensor | None
     ) -> LossInputs:
         logprobs_BT, topk = self._current_logprobs(batch, rows, pb)
         width = logprobs_BT.shape[1]
         mask_BT = pb.completion_mask_BT.float() * to_device(batch.in_loss_B[rows], self.device).float()[:, None]
         if self.objective.ignore_prefix_tokens:
             mask_BT[:, : self.objective.ignore_prefix_tokens] = 0.0
-        old_BT = logprobs_BT.detach() if old is None else pad_rows([old[i] for i in rows], width, self.device)
+        old_BT = logprobs_BT.detach() if old is None else gather_rows(old, rows, width, self.device)
         ref_BT = None
         if self.ref_model is not None and self.objective.reference_logprobs:
             with torch.no_grad():
