@@ -173,8 +173,8 @@ def host_costs_table(r: Path) -> str:
     return "\n\n".join(parts)
 
 
-# update_precision.py's JSON per shape (parts comp26 and its CUDA-graph call, sync25, head24a, head22, updprof, cgraphs)
-UPDATE_DIRS = ("comp26", "cgraphs26", "sync25", "head24", "head22", "updprof", "cgraphs")
+# update_precision.py's JSON per shape (parts layouts26, comp26, cgraphs26, sync25, head24a, head22, updprof, cgraphs)
+UPDATE_DIRS = ("layouts26", "comp26", "cgraphs26", "sync25", "head24", "head22", "updprof", "cgraphs")
 
 
 def update_table(r: Path) -> str:

@@ -89,6 +89,7 @@
 #           host waits counted, the Triton head beside them (0.4B, 1.5B); the waits' GPU tests (~220 s)
 #   comp26  the update alone eager (shipped) against compiled layers, both with the Triton head (0.4B, 1.5B)
 #   cgraphs26 W's update alone eager against the body's CUDA graphs, both with the Triton head (~40 s)
+#   layouts26 the update alone with the micro-batch layouts of now against the per-row ones (0.4B, 135M; not yet run)
 #   tests25 kit-free GPU test files with the Triton head on by default: smoke, CUDA graphs, checkpoints (~180 s at most)
 #   tests26 the GPU test files that need vLLM (vLLM, MoE, VL GRPO, engine apart), then smoke and checkpoints,
 #           with the Triton head on by default (~580 s at most)
@@ -728,6 +729,15 @@ case "${1:-}" in
     # twenty-sixth session ran this inline after comp26, on the slower second host, where they won)
     kit_free
     update_arms cgraphs26 0.5b 140 --repeats 3 --micro-batch 64 --arms mixed_fused_trt,mixed_fused_cuda_graphs_trt,mixed_fused_trt ;;
+  layouts26)
+    # the twenty-sixth session's micro-batch layouts (policy.batching.ragged_slots) against the per-row ones
+    # before (_rowbuild), the update alone, alternating: W (0.4B) and the small step's size (135M, 4 prompts x
+    # 8 x 16 tokens, one micro-batch of 32). Not yet run; a slow host (comp26's) shows most. No vLLM kit
+    kit_free
+    update_arms layouts26 0.5b 200 --repeats 4 --micro-batch 64 \
+      --arms mixed_fused_trt,mixed_fused_trt_rowbuild,mixed_fused_trt,mixed_fused_trt_rowbuild
+    update_arms layouts26 135m 120 --repeats 7 --prompts 4 --completion-len 16 --micro-batch 32 \
+      --arms mixed_fused_trt,mixed_fused_trt_rowbuild,mixed_fused_trt,mixed_fused_trt_rowbuild ;;
   tests25)
     # the GPU test files that need no vLLM kit, with model.triton_logprob_head=auto on (the twenty-fifth
     # session's default): the smoke runs, the CUDA graphs', the checkpoints' (the heads' and the fused
