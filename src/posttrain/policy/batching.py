@@ -130,12 +130,17 @@ def pad_lists(values: list[Any], width: int, dtype: torch.dtype = torch.float32)
     """Rows of numbers (lists, or None for an empty row) right-padded with zeros to ``width``
     columns (longer rows cut), as one host tensor ``[B, width]``: one conversion of all the numbers
     at once instead of one per row."""
-    cut = [row[:width] if row is not None else () for row in values]
-    out = torch.zeros(len(cut), width, dtype=dtype)
+    return _padded(values, width, dtype, fill=0)[0]
+
+
+def _padded(values: list[Any], width: int, dtype: torch.dtype, fill: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``pad_lists`` padding with ``fill``, and each placed number's flat slot, row and column."""
+    cut = [() if row is None else row if len(row) <= width else row[:width] for row in values]
+    out_BT = torch.full((len(cut), width), fill, dtype=dtype)
     lengths_B = torch.tensor([len(row) for row in cut], dtype=torch.long)
-    slot_N, _, _ = ragged_slots(lengths_B, torch.arange(len(cut)) * width)
-    out.view(-1)[slot_N] = flat_tensor(cut, len(slot_N), dtype)
-    return out
+    slot_N, col_N, row_N = ragged_slots(lengths_B, torch.arange(len(cut)) * width)
+    out_BT.view(-1)[slot_N] = flat_tensor(cut, len(slot_N), dtype)
+    return out_BT, slot_N, row_N, col_N
 
 
 def completion_grid(
@@ -144,11 +149,8 @@ def completion_grid(
     """The completions right-padded to ``width`` columns, on the host: ids ``[B, width]``, their mask
     (fp32, 1 on real tokens) and the row and column of every real token, row-major (``row_N``,
     ``col_N``, long)."""
-    ids_BT = torch.full((len(completion_ids), width), pad_id, dtype=torch.long)
+    ids_BT, slot_N, row_N, col_N = _padded(completion_ids, width, torch.long, fill=pad_id)
     mask_BT = torch.zeros((len(completion_ids), width), dtype=torch.float32)
-    lengths_B = torch.tensor([len(c) for c in completion_ids], dtype=torch.long)
-    slot_N, col_N, row_N = ragged_slots(lengths_B, torch.arange(len(completion_ids)) * width)
-    ids_BT.view(-1)[slot_N] = flat_tensor(completion_ids, len(slot_N), torch.long)
     mask_BT.view(-1)[slot_N] = 1.0
     return ids_BT, mask_BT, row_N, col_N
 

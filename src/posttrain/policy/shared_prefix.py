@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from posttrain.models.structure import split_body_and_head
-from posttrain.policy.batching import completion_grid
+from posttrain.policy.batching import completion_grid, flat_tensor, ragged_slots
 from posttrain.policy.logprobs import chunked_head_logprobs
 from posttrain.policy.transfer import to_device
 
@@ -71,11 +71,13 @@ def build_grouped_batch(
         raise ValueError(f"{len(prompt_ids)} prompts x group {group_size} != {len(completion_ids)} completions")
     width_p = max(len(p) for p in prompt_ids)
     width_t = max([1, *(len(c) for c in completion_ids)])
+    # prompts left-padded (each ends where its completions begin), placed as the completions are
+    lengths_N = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+    slot_N, _, _ = ragged_slots(lengths_N, torch.arange(len(prompt_ids)) * width_p + width_p - lengths_N)
     prompt_NP = torch.full((len(prompt_ids), width_p), pad_id, dtype=torch.long)
+    prompt_NP.view(-1)[slot_N] = flat_tensor(prompt_ids, len(slot_N), torch.long)
     pmask_NP = torch.zeros_like(prompt_NP)
-    for i, p in enumerate(prompt_ids):
-        prompt_NP[i, width_p - len(p) :] = torch.tensor(p, dtype=torch.long)
-        pmask_NP[i, width_p - len(p) :] = 1
+    pmask_NP.view(-1)[slot_N] = 1
     comp_BT, cmask_BT, row_N, col_N = completion_grid(completion_ids, pad_id=pad_id, width=width_t)
     return GroupedBatch(
         to_device(prompt_NP, device),
