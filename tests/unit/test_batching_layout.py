@@ -90,3 +90,13 @@ def test_build_policy_batch_matches_the_per_row_layout(pack_capacity: int | None
         assert (batch.row_N.tolist(), batch.col_N.tolist(), batch.source_N.tolist()) == (rows, cols, sources)
         assert batch.seq_start_B == start
         assert batch.input_ids_RL.dtype == batch.attention_mask_RL.dtype == batch.row_N.dtype == torch.long
+
+
+def test_grouped_batch_left_pads_prompts_and_right_pads_completions() -> None:
+    from posttrain.policy.shared_prefix import build_grouped_batch
+
+    batch = build_grouped_batch([[5, 6, 7], [8]], [[1, 2], [3], [], [4, 4, 4]], group_size=2, pad_id=0, device="cpu")
+    assert batch.prompt_ids_NP.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert batch.prompt_mask_NP.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert batch.completion_ids_BT.tolist() == [[1, 2, 0], [3, 0, 0], [0, 0, 0], [4, 4, 4]]
+    assert (batch.row_N.tolist(), batch.col_N.tolist()) == ([0, 0, 1, 3, 3, 3], [0, 1, 0, 0, 1, 2])
