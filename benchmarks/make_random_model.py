@@ -1,13 +1,15 @@
 """A random-weight bf16 Llama of a named shape on the SmolLM2 tokenizer, saved as a Hugging Face
 directory (for the GPU benchmarks; nothing is downloaded).
 
-    python benchmarks/make_random_model.py TOKENIZER_DIR OUT_DIR --shape 1.5b
+    python benchmarks/make_random_model.py TOKENIZER_DIR OUT_DIR --shape 1.5b [--arch qwen2]
 
 Shapes: ``135m`` (SmolLM2-135M itself), ``tiny30`` (its 30 layers at width 64), ``0.5b``
 (Qwen2.5-0.5B's body: issue 9's 402M workload model, the same as
 ``../shared/peers/make_random_models.py`` builds) and ``1.5b`` (Qwen2.5-1.5B's body: hidden 1,536,
 intermediate 8,960, 28 layers, 12 query and 2 key/value heads of 128; 1.39B parameters with the
-49,152-token vocabulary and tied embeddings).
+49,152-token vocabulary and tied embeddings). ``--arch qwen2``: the same body as a ``Qwen2ForCausalLM``
+(biased query/key/value projections, as Qwen2.5 has; the head size must be hidden / heads, which holds for
+``0.5b`` and ``1.5b``), an architecture vLLM 0.24 runs on its V1 model runner by default.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import argparse
 import time
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 SHAPES = {
     "135m": {},
@@ -52,16 +54,26 @@ def main() -> None:
     p.add_argument("tokenizer_dir")
     p.add_argument("out_dir")
     p.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
+    p.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
     a = p.parse_args()
     start = time.time()
     cfg = shape_config(a.tokenizer_dir, a.shape)
+    model_class: type = LlamaForCausalLM
+    if a.arch == "qwen2":
+        if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+            raise SystemExit(f"--arch qwen2: shape {a.shape}'s head size is not hidden / heads")
+        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+        cfg = Qwen2Config(**{k: getattr(cfg, k) for k in keys if hasattr(cfg, k)})
+        model_class = Qwen2ForCausalLM
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model = model_class(cfg).to(torch.bfloat16)
     model.save_pretrained(a.out_dir)
     AutoTokenizer.from_pretrained(a.tokenizer_dir).save_pretrained(a.out_dir)
     n = sum(t.numel() for t in model.parameters())
-    print(f"MODEL {a.shape} params={n / 1e6:.1f}M saved {a.out_dir} in {time.time() - start:.1f}s", flush=True)
+    print(f"MODEL {a.shape} {a.arch} params={n / 1e6:.1f}M saved {a.out_dir} in {time.time() - start:.1f}s", flush=True)
 
 
 if __name__ == "__main__":

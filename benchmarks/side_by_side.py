@@ -11,7 +11,8 @@ there: ``w/*.json`` (workload W's arms and the growth arms), ``w_offpolicy.json`
 the seventeenth session's ``hostcosts`` parts: ``flat_logprobs.json``, ``flat/*.json``,
 ``w_offpolicy_plan.json`` and ``w_offpolicy_graphs.json``; ``samples/*.json`` (part ``samples21``;
 its repeats and later interleaved parts as ``samples_<tag>/*.json``); and the update alone,
-``head24/``, ``head22/`` and ``updprof/`` (``update_precision.py``'s JSON per shape).
+``head24/``, ``head22/`` and ``updprof/`` (``update_precision.py``'s JSON per shape); W's generation alone,
+``runners27/`` and ``kv27/`` (``vllm_gen_variants.py``) and ``gen27/gen_probe.json``.
 """
 
 from __future__ import annotations
@@ -157,20 +158,41 @@ def host_costs_table(r: Path) -> str:
             )
         parts.append("\n".join(lines))
     # samples21's arms, and its repeats kept beside it as samples_<tag>/ (labelled by that folder)
-    dirs = ["flat", "samples", *sorted(d.name for d in r.glob("samples_*") if d.is_dir())]
+    dirs = ["flat", "samples", *sorted(d.name for d in r.glob("samples_*") if d.is_dir()), "gen27", "big27"]
     runs = [p for d in dirs for p in sorted((r / d).glob("*.json"), key=lambda p: p.stat().st_mtime)]
+    runs = [p for p in runs if p.name != "gen_probe.json"]  # gen27's generation probe: generation_table's
     runs += [p for p in (r / f"{n}.json" for n in ("w_offpolicy_plan", "w_offpolicy_graphs")) if p.exists()]
     if runs and not (r / "w").exists():  # one-step off-policy W (offp26) when the W table is absent
-        runs += [p for p in [r / "w_offpolicy.json"] if p.exists()]
+        runs += [p for p in (r / f"{n}.json" for n in ("w_offpolicy", "w_offpolicy_eager")) if p.exists()]
     if runs:
         trl_w = r / "trl_w.json"  # TRL on W in the same lease (lease19s), when the W table above is absent
         trl = [trl_row(trl_w, "TRL 1.16, vLLM colocated 0.3")] if trl_w.exists() and not (r / "w").exists() else []
-        rows = [
-            ours_row(p, f"posttrain {p.parent.name}/{p.stem}" if p.parent.name.startswith("samples_") else None)
-            for p in runs
-        ]
+        rows = [ours_row(p, f"posttrain {p.parent.name}/{p.stem}" if p.parent.name in dirs[2:] else None) for p in runs]
         parts.append("\n".join([HEADER, *rows, *trl]))
     return "\n\n".join(parts)
+
+
+def generation_table(r: Path) -> str:
+    """W's generation alone: bare ``LLM.generate`` per request variant (``vllm_gen_variants.py --out``; parts
+    ``runners27``, one file per vLLM model runner; ``kv27``, one per KV-cache setting; ``qwen27``, a Qwen2 policy per
+    runner) and the same call
+    through posttrain's engine (``grpo_step.py --gen-probe``'s ``gen_probe.json``, part ``gen27``)."""
+    lines = ["| part | engine settings | request variant | median | tokens/s |", "| --- | --- | --- | --- | --- |"]
+    for part in ("runners27", "kv27", "qwen27"):
+        for path in sorted((r / part).glob("*.json")):
+            res = _load(path)
+            settings = ", ".join(f"{k}={v}" for k, v in res.get("engine_args", {}).items()) or "vLLM's defaults"
+            if "v2_model_runner" in res:
+                settings += f"; VLLM_USE_V2_MODEL_RUNNER={res['v2_model_runner']}"
+            for name, v in res.items():
+                if isinstance(v, dict) and "median_s" in v:
+                    lines.append(
+                        f"| {part}/{path.stem} | {settings} | {name} | {v['median_s']:.3f} s | {v['tok_per_s']} |"
+                    )
+    for path in sorted(r.glob("*/gen_probe.json")):
+        for name, med in _load(path)["median_s"].items():
+            lines.append(f"| {path.parent.name} | posttrain's engine after its W steps | {name} | {med:.3f} s | |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 # update_precision.py's JSON per shape (parts layouts26, comp26, cgraphs26, sync25, head24a, head22, updprof, cgraphs)
@@ -217,6 +239,8 @@ def dir_tables(r: Path) -> str:
         parts.append("## The default recipe's small step\n\n" + small)
     if host := host_costs_table(r):
         parts.append("## Interleaved arms and host costs (W and 1.5B arms, flat logprobs, off-policy)\n\n" + host)
+    if generation := generation_table(r):
+        parts.append("## W's generation alone (bare vLLM and posttrain's engine)\n\n" + generation)
     if update := update_table(r):
         parts.append("## The update alone (update_precision.py)\n\n" + update)
     return "\n\n".join(parts)

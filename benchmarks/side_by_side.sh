@@ -98,6 +98,14 @@
 #           the body's CUDA graphs; the small job as shipped
 #   big24   the 1.5B shape in whole steps, as shipped against the log_softmax head; then TRL on W
 #   lease21s the small job as shipped, then TRL's small task (one call; a fresh machine converts the SmolLM2 first)
+#   runners27 W's generation alone, bare vLLM, on its V2 model runner (the default) against its V1 one, each request variant
+#   gen27  W as shipped, then its generation alone, bare vLLM against posttrain's calls (grpo_step.py --gen-probe)
+#   kv27   W's generation alone, bare vLLM, with prefix caching off and with 64-token KV blocks
+#   lease27 TRL on W, the small job as shipped, TRL's small task (one call, after gen27 on the same machine)
+#   offp27 offp26's off-policy W alone, compiled then eager (after gen27 on the same machine)
+#   big27  the 1.5B shape in whole steps as shipped (after gen27 on the same machine)
+#   qwen27 a Qwen2 policy's W generation on vLLM's V1 runner (its choice) and on V2, greedy outputs compared;
+#          then tests/gpu/test_vllm_runner_gpu.py (rollout.vllm_model_runner=auto asks V2 for Qwen2)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -764,6 +772,16 @@ case "${1:-}" in
       --compile --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy.json"
     pack
     gpu_test_files cuda_graphs_gpu 200 tests/gpu/test_cuda_graphs_gpu.py ;;
+  offp27)
+    # offp26's one-step off-policy W alone (engine core apart, compiled), on gen27's host; then the same eager
+    environment
+    model 0.5b /tmp/m05
+    step w_offpolicy 200 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
+      --compile --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy.json"
+    pack
+    step w_offpolicy_eager 150 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
+      --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy_eager.json"
+    pack ;;
   head24)
     # W in whole steps as shipped (t: model.triton_logprob_head=auto, the Triton head on CUDA since the
     # twenty-fifth session) against the torch log_softmax head before it (s), interleaved in one process on
@@ -789,6 +807,97 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     pack
     model 0.5b /tmp/m05
     trl w 150 /tmp/m05 32,8,256
+    pack ;;
+  big27)
+    # the 1.5B shape in whole steps as shipped, on gen27's host (TRL's W step from lease27 gives the ratio)
+    environment
+    model 1.5b /tmp/m15
+    step w15_big27 300 --model /tmp/m15 --micro-batch 32 --out-dir "$R/big27" --arms "shipped:steps=5"
+    pack ;;
+  runners27)
+    # W's generation alone (bare LLM.generate, benchmarks/vllm_gen_variants.py --no-gc, each request variant):
+    # vLLM 0.24's Model Runner V2 (its default for a Llama, sampling seeded or not by a Gumbel kernel keyed on
+    # seed and position) against its V1 runner (VLLM_USE_V2_MODEL_RUNNER=0, seeded rows sampled one by one)
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    mkdir -p "$R/runners27"
+    for v in 1 0; do
+      VLLM_USE_V2_MODEL_RUNNER=$v timeout 270 python3 benchmarks/vllm_gen_variants.py --model /tmp/m05 --no-gc \
+        --out "$R/runners27/v$v.json" >"$R/runners27/v$v.log" 2>&1
+      echo "runner v$v rc=$?"; grep -E "RESULT|Error|Using V" "$R/runners27/v$v.log" | cut -c1-200
+      pack
+    done ;;
+  kv27)
+    # W's generation alone (bare LLM.generate, as posttrain sends it and with neither seeds nor logprobs) under
+    # vLLM's KV-cache settings: prefix caching on (vLLM's default) and off, and 64-token KV blocks (gen27's
+    # profile: the KV-cache manager's per-token bookkeeping, allocate_slots and block hashing, is a large
+    # share of vLLM's host time per decode step)
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    mkdir -p "$R/kv27"
+    for cfg in "default:" "noprefix:--engine-arg enable_prefix_caching=False" \
+      "noprefix_b64:--engine-arg enable_prefix_caching=False --engine-arg block_size=64" \
+      "b64:--engine-arg block_size=64" "default2:"; do
+      name=${cfg%%:*}
+      # shellcheck disable=SC2086
+      timeout 150 python3 benchmarks/vllm_gen_variants.py --model /tmp/m05 --no-gc --only "seeded+first,neither" \
+        ${cfg#*:} --out "$R/kv27/$name.json" >"$R/kv27/$name.log" 2>&1
+      echo "kv27 $name rc=$?"; grep -E "RESULT|Error" "$R/kv27/$name.log" | cut -c1-200
+      pack
+    done ;;
+  lease27)
+    # TRL on W on gen27's host (the same lease's ratio), then the small job as shipped and TRL's small task
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    trl w 150 /tmp/m05 32,8,256
+    pack
+    small_job small_shipped 120
+    pack
+    trl_small
+    pack ;;
+  qwen27)
+    # a Qwen2 policy (Qwen2.5-0.5B's body, random weights; vLLM 0.24 runs Qwen2ForCausalLM on its V1 model
+    # runner) at W: bare LLM.generate on vLLM's choice (V1) against V2 forced (VLLM_USE_V2_MODEL_RUNNER=1),
+    # their greedy completions compared (same weights: the two runners' numerics); then the GPU tests of
+    # rollout.vllm_model_runner=auto, which asks for V2 for this architecture
+    environment
+    device_info
+    [ -e /tmp/mq05/config.json ] || python3 benchmarks/make_random_model.py "$MODELS" /tmp/mq05 --shape 0.5b --arch qwen2 \
+      >"$R/make_qwen2.log" 2>&1
+    mkdir -p "$R/qwen27"
+    for v in default 1; do
+      if [ $v = default ]; then unset VLLM_USE_V2_MODEL_RUNNER; else export VLLM_USE_V2_MODEL_RUNNER=$v; fi
+      timeout 200 python3 benchmarks/vllm_gen_variants.py --model /tmp/mq05 --no-gc --only "seeded+first,seeded,neither" \
+        --greedy-out "$R/qwen27/greedy_$v.json" --out "$R/qwen27/runner_$v.json" >"$R/qwen27/runner_$v.log" 2>&1
+      echo "qwen2 runner $v rc=$?"; grep -E "RESULT|Error|Using V|model runner" "$R/qwen27/runner_$v.log" | cut -c1-200
+      pack
+    done
+    unset VLLM_USE_V2_MODEL_RUNNER
+    python3 - "$R/qwen27" <<'PY'
+import json, sys
+a, b = (json.load(open(f"{sys.argv[1]}/greedy_{v}.json")) for v in ("default", "1"))
+same = sum(x == y for x, y in zip(a["token_ids"], b["token_ids"]))
+first = [next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), len(x)) for x, y in zip(a["token_ids"], b["token_ids"])]
+gaps = [abs(p - q) for x, y, lx, ly, k in zip(a["token_ids"], b["token_ids"], a["logprobs"], b["logprobs"], first)
+        for p, q in zip(lx[:k], ly[:k])]
+print(f"greedy V1 vs V2: {same}/{len(first)} completions identical; tokens equal before the first difference: "
+      f"{sum(first)} of {sum(map(len, a['token_ids']))}; logprob gap there mean {sum(gaps) / max(len(gaps), 1):.4f} "
+      f"max {max(gaps, default=0):.4f}")
+PY
+    gpu_test_files runner27_gpu 200 tests/gpu/test_vllm_runner_gpu.py ;;
+  gen27)
+    # W in whole steps as shipped, then W's generation alone on the same engine (grpo_step.py --gen-probe:
+    # bare LLM.generate against posttrain's engine.generate, unseeded and as shipped, then profiled): what of
+    # the step's generation phase is vLLM's and what is posttrain's own, on the host that ran runners27
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    step w_gen27 300 --model /tmp/m05 --micro-batch 64 --max-model-len 2200 --gen-probe --out-dir "$R/gen27" \
+      --arms "shipped:steps=5"
+    grep -E "^probe" "$R/w_gen27.log"
     pack ;;
   lease21s)
     # the small job as shipped, then TRL's GRPOTrainer on the same task (its converted SmolLM2), one call

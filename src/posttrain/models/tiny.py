@@ -1,4 +1,5 @@
-"""Tiny random Llama, Qwen3-MoE and Qwen3-VL models with a real tokenizer, for tests (nothing downloaded)."""
+"""Tiny random Llama (or Qwen2), Qwen3-MoE and Qwen3-VL models with a real tokenizer, for tests (nothing
+downloaded)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,21 @@ def make_tiny_model(
     intermediate_size: int = 128,
     seed: int = 0,
     tie_word_embeddings: bool = True,
+    family: str = "llama",
 ) -> str:
     """Save a randomly initialised ``LlamaForCausalLM`` (fp32) sized to ``tokenizer_dir``'s vocabulary,
-    together with that tokenizer, into ``out_dir``; returns ``out_dir``."""
+    together with that tokenizer, into ``out_dir``; returns ``out_dir``. ``family="qwen2"``: the same
+    body as a ``Qwen2ForCausalLM`` (biased query/key/value projections)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    if family not in ("llama", "qwen2"):
+        raise ValueError(f"family must be 'llama' or 'qwen2', got {family!r}")
+    config_class, model_class = (
+        (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    )
     tokenizer = _tokenizer(tokenizer_dir)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -40,7 +48,7 @@ def make_tiny_model(
     # fork_rng: seeding must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     return _save(model, tokenizer, out_dir)
 
 

@@ -48,7 +48,7 @@ def build_rollout_engine(cfg: RunConfig, model: Any, tokenizer: Any, log: Metric
 
     log.info(
         f"vLLM engine started in {engine.start_s:.1f}s (logprobs_mode={engine.logprobs_mode}, "
-        f"{seeding_note(engine.seeding)})"
+        f"{seeding_note(engine.seeding)}, {engine.model_runner.upper()} model runner)"
     )
     return engine
 
@@ -111,4 +111,5 @@ def build_vllm_engine(
         # a vision-language policy: image prompts, up to a row's limit (rollout/vllm_images.py)
         max_images_per_prompt=cfg.rl.data.images.max_per_row if vision_model_type(model_dir) else 0,
         launcher_args=launcher_args,
+        model_runner=ro.vllm_model_runner,
     )

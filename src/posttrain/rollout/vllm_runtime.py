@@ -7,8 +7,9 @@ Shared by the vLLM rollout engine (``rollout/vllm_engine.py``) and the vLLM teac
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,6 +38,60 @@ def choose_engine_core_process(separate: bool) -> None:
     from vllm import envs
 
     disable_cache = getattr(envs, "disable_envs_cache", None)  # absent in vLLM builds without the cache
+    if disable_cache is not None:
+        disable_cache()
+
+
+# Architectures vLLM 0.24 leaves on its V1 model runner that posttrain has run on V2 on a GPU
+# (tests/gpu/test_vllm_runner_gpu.py: logprobs against the trainer's, seeded replay, weight sync; the
+# same greedy completions and logprobs as V1) and timed there (docs/benchmarks.md, twenty-seventh
+# session: a Qwen2 policy's seeded W generation 2.80 s on V1, 1.87 s on V2). V1 samples a seeded
+# request with a generator of its own, row by row; V2 draws every row's Gumbel noise from
+# (seed, position) at once.
+V2_CHECKED_ARCHITECTURES = frozenset({"Qwen2ForCausalLM"})
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def model_runner_for(
+    requested: str,
+    *,
+    cuda: bool,
+    architectures: list[str],
+    plain_text_engine: bool,
+    seeded: bool,
+    environment: Mapping[str, str],
+) -> str | None:
+    """The model runner (``"v1"``/``"v2"``) to ask vLLM for, or None to leave vLLM's choice:
+    ``rollout.vllm_model_runner`` (its field doc). ``plain_text_engine``: one GPU, no LoRA adapter, no
+    images, no routed-expert capture: the engine posttrain checked V2 as. ``seeded``: the engine's
+    requests carry seeds (``rollout.seed`` set), what V1 samples row by row; unseeded, V1 was the
+    faster of the two for a Qwen2 policy (docs/benchmarks.md, twenty-seventh session)."""
+    if not cuda:
+        return None  # the CPU build: its runners are not what was measured
+    if requested != "auto":
+        return requested
+    if RUNNER_ENV in environment or not plain_text_engine or not seeded:
+        return None
+    return "v2" if V2_CHECKED_ARCHITECTURES.intersection(architectures) else None
+
+
+def model_architectures(model_dir: str) -> list[str]:
+    """The ``architectures`` a Hugging Face model directory's ``config.json`` names (none: [])."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return list(json.load(f).get("architectures") or [])
+    except (OSError, ValueError):
+        return []  # vLLM reports an unreadable model itself, with its own words
+
+
+def choose_model_runner(runner: str | None) -> None:
+    """Have the next ``vllm.LLM`` built in this process run ``runner`` (None: leave it as it is)."""
+    if runner is None:
+        return
+    os.environ[RUNNER_ENV] = "1" if runner == "v2" else "0"
+    from vllm import envs
+
+    disable_cache = getattr(envs, "disable_envs_cache", None)  # vLLM caches its variables once an engine ran
     if disable_cache is not None:
         disable_cache()
 
