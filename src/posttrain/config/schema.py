@@ -154,23 +154,20 @@ class RolloutConfig(Section):
     what the uninterrupted one drew. vLLM seeds each prompt's request (``rollout.per_prompt_seeds``;
     docs/vllm.md). ``null``: not seeded."""
     per_prompt_seeds: bool = True
-    """vLLM: a request seed per prompt. ``false``: the engine's generators seeded once per call
-    instead (CPU build only, in-process, on-policy, TP 1: it replays there; on CUDA vLLM 0.24 it did
-    not, so a CUDA engine refuses it; docs/vllm.md "Seeding")."""
+    """vLLM: a request seed per prompt. ``false``: the engine's generators seeded once per call instead
+    (CPU build only, in-process, on-policy, TP 1; a CUDA engine refuses it; docs/vllm.md "Seeding")."""
     sampler_logprobs_every: int = Field(1, ge=0)
-    """vLLM: record the sampler's logprob of each generated token only when sampling with the
-    weights of every N-th optimizer step (the initial weights included); 0: never. Recording them
-    costs vLLM per-token work: each group's first sample's (the default ``sampler_logprobs_samples``)
-    0.13 s of workload W's 1.20 s generation on an H100, every sample's 0.55 s (docs/benchmarks.md,
-    twenty-seventh session); unrecorded, ``train/logprob_gap_*`` is absent on that step. Must be 1 when
-    the loss or off-policy sampling reads them (score centering records them anyway). The
-    transformers engine always records them (they are free there)."""
+    """vLLM: record the sampler's logprob of each generated token only when sampling with the weights of
+    every N-th optimizer step (the initial weights included); 0: never. It costs vLLM per-token work (W's
+    generation on an H100: 0.13 s of 1.20 s for each group's first sample's, 0.55 s for all); unrecorded,
+    ``train/logprob_gap_*`` is absent on that step. Must be 1 when the loss or off-policy sampling reads
+    them (score centering records them anyway). The hf engine always records them (free there)."""
     sampler_logprobs_samples: int | Literal["auto"] | None = "auto"
     """vLLM: only the first N samples of each group record the sampler's logprobs (``null``: all);
     ``train/logprob_gap_*`` is measured on those, the draws are unchanged. ``auto``: 1 unless the
     objective reads every completion's (``rl.use_rollout_logprobs_for_loss``, score centering, OPD's
-    advantage mode), then all. An explicit N is refused where the objective reads them. Recording all
-    made W's step 0.23-0.43 s slower on two H200s and 0.40 s on an H100 (docs/benchmarks.md)."""
+    advantage mode), then all. An explicit N is refused where the objective reads them. Recording all made
+    W's step 0.23-0.43 s slower on two H200s, 0.40 s on an H100 (docs/benchmarks.md)."""
     batch_size: int = Field(256, ge=1)
     """Most sequences the hf engine decodes at once."""
 
@@ -196,16 +193,8 @@ class RolloutConfig(Section):
     """vLLM's asynchronous scheduling (overlaps the host-side scheduling of step k+1 with the GPU
     work of step k); ``null`` keeps vLLM's default."""
     vllm_model_runner: Literal["auto", "v1", "v2"] = "auto"
-    """vLLM on CUDA: which of vLLM's model runners the engine runs (``VLLM_USE_V2_MODEL_RUNNER``, set
-    for the whole process: later engines in it get the same). ``auto``: vLLM's own choice (V2 for
-    Llama, Qwen3, Mistral; V1 for the rest in vLLM 0.24), except V2 for the architectures posttrain
-    has checked on it (``Qwen2ForCausalLM``: Qwen2.5) in a plain single-GPU text engine with seeded
-    requests (``rollout.seed`` set), which V2 samples without V1's per-request loop (a Qwen2 policy's
-    workload-W generation on an H100: 1.87 s against 2.80 s, the same greedy tokens; docs/vllm.md); an
-    environment that sets the variable wins. ``v1``/``v2``: that runner, whatever the architecture
-    (vLLM then skips its own checks). Ignored on vLLM's CPU build. The two runners draw other tokens
-    from the same seed: a Qwen2 run checkpointed on V1 (before ``auto`` chose V2) resumes exactly
-    only with ``v1``."""
+    """vLLM on CUDA: its V1 or V2 model runner, for the whole process. ``auto``: vLLM's choice, but V2 for a
+    seeded one-GPU text engine of an architecture checked on it (Qwen2); docs/vllm.md, "Model runners"."""
     separate_engine_process: bool = False
     """vLLM: the engine core (scheduler, model runner, sampler) in a process of its own, so its host
     work no longer takes turns with the trainer's on one GIL (what ``rl.max_off_policy_steps=1``

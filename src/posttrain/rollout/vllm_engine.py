@@ -68,6 +68,7 @@ from posttrain.rollout.vllm_moe import (
 from posttrain.rollout.vllm_requests import call_completions, call_requests, check_params_for_mode, logprobs_mode_for
 from posttrain.rollout.vllm_runtime import (
     build_llm,
+    built_model_runner,
     choose_engine_core_process,
     choose_model_runner,
     cuda_attention_backend,
@@ -172,14 +173,12 @@ class VLLMRolloutEngine:
         engine_args |= multimodal_engine_args(max_images_per_prompt)
         # one lane of a tensor-parallel replica under Ray (launch/rollout_lanes.py): external_launcher
         engine_args |= dict(launcher_args or {})
-        # rollout.vllm_model_runner: V2 where posttrain checked it (vllm_runtime.model_runner_for)
-        plain = tensor_parallel_size == 1 and lora_rank == 0 and max_images_per_prompt == 0
-        plain = plain and not return_routed_experts and not launcher_args
+        plain = tensor_parallel_size == 1 and not (lora_rank or max_images_per_prompt or return_routed_experts)
         runner = model_runner_for(
-            model_runner, cuda=cuda, architectures=model_architectures(model_dir), plain_text_engine=plain,
-            seeded=seed is not None, environment=os.environ,
+            model_runner, cuda=cuda, architectures=model_architectures(model_dir), seeded=seed is not None,
+            plain_text_engine=plain and not launcher_args, environment=os.environ,
         )  # fmt: skip
-        choose_model_runner(runner)
+        choose_model_runner(runner)  # rollout.vllm_model_runner: V2 where posttrain checked it
         pad: Any = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD) if max_images_per_prompt > 0 else None
         self.image_pad_id: int | None = None if pad is None else int(pad)
         self.return_routed_experts = return_routed_experts
@@ -205,14 +204,7 @@ class VLLMRolloutEngine:
                 f"{str(separate_process).lower()}): it kept a VLLM_ENABLE_V1_MULTIPROCESSING value read "
                 "earlier in this process; start the run in a fresh process"
             )
-        self.model_runner = "v2" if getattr(self._llm.llm_engine.vllm_config, "use_v2_model_runner", False) else "v1"
-        if runner is not None and runner != self.model_runner:  # vLLM kept a value it read earlier
-            shutdown_llm(self._llm)
-            raise PosttrainError(
-                f"vLLM built its {self.model_runner.upper()} model runner where {runner.upper()} was asked "
-                f"(rollout.vllm_model_runner={model_runner}): it kept a VLLM_USE_V2_MODEL_RUNNER value read "
-                "earlier in this process; start the run in a fresh process"
-            )
+        self.model_runner = built_model_runner(self._llm, runner, model_runner)  # "v1" / "v2"
         self._shared = SharedWeightsSender(self._llm) if separate_process else None
         # a plain dense model on CUDA takes the weights in place (rollout/vllm_weight_load.py), then by
         # the copy plan the writer learns at the first such load (vllm_copy_plan.py)

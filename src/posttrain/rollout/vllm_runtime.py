@@ -96,6 +96,20 @@ def choose_model_runner(runner: str | None) -> None:
         disable_cache()
 
 
+def built_model_runner(llm: Any, asked: str | None, requested: str) -> str:
+    """The model runner (``"v1"``/``"v2"``) vLLM built for ``llm``; when it is not the one ``asked``
+    for (vLLM kept a value read earlier in the process), the engine is shut down and an error says so."""
+    built = "v2" if getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False) else "v1"
+    if asked is not None and asked != built:
+        shutdown_llm(llm)
+        raise PosttrainError(
+            f"vLLM built its {built.upper()} model runner where {asked.upper()} was asked "
+            f"(rollout.vllm_model_runner={requested}): it kept a {RUNNER_ENV} value read earlier in this "
+            "process; start the run in a fresh process"
+        )
+    return built
+
+
 def engine_core_is_separate(llm: Any) -> bool:
     """Whether ``llm``'s engine core runs in a process of its own (vLLM's multiprocess client)."""
     from vllm.v1.engine.core_client import InprocClient
