@@ -233,6 +233,13 @@ head24_tests() {  # TIMEOUT: the Triton head's GPU tests, the fused kernels' (th
   gpu_test_files head24a_gpu "$1" tests/gpu/test_logprob_head_gpu.py tests/gpu/test_fused_kernels_gpu.py \
     tests/gpu/test_gpu_smoke.py::test_the_body_forward_of_padded_rows_makes_no_host_sync
 }
+offpolicy_w() {  # one-step off-policy W with the engine core apart and compiled layers (offp26, offp27)
+  environment
+  model 0.5b /tmp/m05
+  step w_offpolicy 200 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
+    --compile --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy.json"
+  pack
+}
 model() {  # SHAPE DIR: a random-weight model of that shape (benchmarks/make_random_model.py), once;
   # written aside and renamed, so a caller never finds half of one (one is made in the background)
   while [ ! -e "$2/config.json" ] && pgrep -f "make_random_model.py .* $2.tmp" >/dev/null; do sleep 2; done
@@ -766,19 +773,11 @@ case "${1:-}" in
   offp26)
     # one-step off-policy W (engine core apart, compiled layers) with this session's defaults, then the CUDA
     # graphs' GPU tests with the Triton head on by default
-    environment
-    model 0.5b /tmp/m05
-    step w_offpolicy 200 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
-      --compile --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy.json"
-    pack
+    offpolicy_w
     gpu_test_files cuda_graphs_gpu 200 tests/gpu/test_cuda_graphs_gpu.py ;;
   offp27)
     # offp26's one-step off-policy W alone (engine core apart, compiled), on gen27's host; then the same eager
-    environment
-    model 0.5b /tmp/m05
-    step w_offpolicy 200 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
-      --compile --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy.json"
-    pack
+    offpolicy_w
     step w_offpolicy_eager 150 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
       --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy_eager.json"
     pack ;;
