@@ -34,7 +34,14 @@ def choose_engine_core_process(separate: bool) -> None:
 
     vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` through a cache that an engine core started in this
     process switches on, after which a new value would be ignored: the cache is dropped first."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate else "0"
+    set_vllm_variable("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if separate else "0")
+
+
+def set_vllm_variable(name: str, value: str) -> None:
+    """Set one of vLLM's environment variables for the next ``vllm.LLM`` of this process. vLLM caches
+    its variables once an engine core started here; the cache is dropped, or the new value would be
+    ignored."""
+    os.environ[name] = value
     from vllm import envs
 
     disable_cache = getattr(envs, "disable_envs_cache", None)  # absent in vLLM builds without the cache
@@ -86,14 +93,8 @@ def model_architectures(model_dir: str) -> list[str]:
 
 def choose_model_runner(runner: str | None) -> None:
     """Have the next ``vllm.LLM`` built in this process run ``runner`` (None: leave it as it is)."""
-    if runner is None:
-        return
-    os.environ[RUNNER_ENV] = "1" if runner == "v2" else "0"
-    from vllm import envs
-
-    disable_cache = getattr(envs, "disable_envs_cache", None)  # vLLM caches its variables once an engine ran
-    if disable_cache is not None:
-        disable_cache()
+    if runner is not None:
+        set_vllm_variable(RUNNER_ENV, "1" if runner == "v2" else "0")
 
 
 def built_model_runner(llm: Any, asked: str | None, requested: str) -> str:
