@@ -106,6 +106,8 @@
 #   big27  the 1.5B shape in whole steps as shipped (after gen27 on the same machine)
 #   qwen27 a Qwen2 policy's W generation on vLLM's V1 runner (its choice) and on V2, greedy outputs compared;
 #          then tests/gpu/test_vllm_runner_gpu.py (rollout.vllm_model_runner=auto asks V2 for Qwen2)
+#   norm28 the RMSNorm alone, posttrain's row-tiled kernels against Liger's and eager (benchmarks/block_kernels.py),
+#          their GPU tests, then the update alone with them against Liger's RMSNorm (W, 1.5B); no vLLM kit
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -813,6 +815,19 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     model 1.5b /tmp/m15
     step w15_big27 300 --model /tmp/m15 --micro-batch 32 --out-dir "$R/big27" --arms "shipped:steps=5"
     pack ;;
+  norm28)
+    # models/block_kernels.py: the RMSNorm of a fused-kernel policy on row-tiled Triton kernels instead of
+    # Liger's (whose backward walks rows one at a time); the kernels alone with two tilings more, their GPU
+    # tests and the fused kernels' (now counting these), then the update alone, arms alternating. No vLLM kit
+    kit_free
+    mkdir -p "$R/norm28"
+    timeout 120 python3 benchmarks/block_kernels.py --reps 30 --norm-sweep 8192:4,4096:4 \
+      --out "$R/norm28/block_kernels.json" 2>&1 | tee "$R/norm28/block_kernels.log" | grep -E "rms_norm|Error"
+    gpu_test_files norm28_gpu 200 tests/gpu/test_block_kernels_gpu.py tests/gpu/test_fused_kernels_gpu.py
+    update_arms norm28 0.5b 200 --repeats 4 --micro-batch 64 --profile \
+      --arms mixed_fused_trt,mixed_fused_trt_ligernorm,mixed_fused_trt,mixed_fused_trt_ligernorm
+    update_arms norm28 1.5b 200 --repeats 3 --micro-batch 32 \
+      --arms mixed_fused_trt,mixed_fused_trt_ligernorm,mixed_fused_trt,mixed_fused_trt_ligernorm ;;
   runners27)
     # W's generation alone (bare LLM.generate, benchmarks/vllm_gen_variants.py --no-gc, each request variant):
     # vLLM 0.24's Model Runner V2 (its default for a Llama, sampling seeded or not by a Gumbel kernel keyed on

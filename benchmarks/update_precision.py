@@ -34,6 +34,8 @@ MFU at 6 N per trained token on a bf16 peak of 989 TFLOP/s (H200). Arms:
 - ending in ``_rowbuild``: that arm with its micro-batches laid out on the host as before the
   twenty-sixth session (a Python loop with a few small tensor operations per row and per-token
   lists; since then ``policy.batching.ragged_slots`` places every token at once);
+- ending in ``_ligernorm``: that arm with Liger's RMSNorm kernels, as before the twenty-eighth session
+  (since then the modules Liger patches run ``models/block_kernels.py``'s row-tiled kernels);
 - ending in ``_rowcopy``: that arm with its inputs moved to the device as before the twenty-fifth
   session (the sampler's logprobs a row at a time, the rest from pageable memory: host waits);
 - an arm name ending in ``_lse`` (``mixed_fused_lse``): that arm with the logprob head of before the
@@ -118,6 +120,7 @@ ARM_SUFFIXES = {
     "_mbcast": "cast per micro-batch",
     "_rowcopy": "inputs copied per row, synchronously",
     "_rowbuild": "micro-batches laid out per row on the host",
+    "_ligernorm": "Liger's RMSNorm kernels",
 }
 
 
@@ -125,8 +128,8 @@ def split_arm(arm: str) -> tuple[str, str, str]:
     """``(base arm, logprob head, emulated earlier path)`` of an arm name ending in at most one head
     suffix and, after it, at most one emulation suffix of ``ARM_SUFFIXES`` (``mixed_fused_trt_rowbuild``:
     the Triton head with the earlier layouts). The head: ``logsumexp``, ``triton``, else the default
-    ``log_softmax``; the emulation: ``mbcast``, ``rowcopy``, ``rowbuild`` or ""."""
-    emulation = next((s for s in ("_mbcast", "_rowcopy", "_rowbuild") if arm.endswith(s)), "")
+    ``log_softmax``; the emulation: ``mbcast``, ``rowcopy``, ``rowbuild``, ``ligernorm`` or ""."""
+    emulation = next((s for s in ("_mbcast", "_rowcopy", "_rowbuild", "_ligernorm") if arm.endswith(s)), "")
     arm = arm.removesuffix(emulation) if emulation else arm
     head = next((s for s in ("_lse", "_trt") if arm.endswith(s)), "")
     arm = arm.removesuffix(head) if head else arm
@@ -176,6 +179,10 @@ def trainer_for(model: Any, arm: str, args: argparse.Namespace, share: str = "au
         raise SystemExit(f"unknown arm {arm!r}")
     if emulation == "mbcast":
         cast_weights_per_micro_batch(trainer)
+    elif emulation == "ligernorm":
+        from posttrain.models.block_kernels import use_liger_rms_norm
+
+        use_liger_rms_norm(model)
     return trainer
 
 

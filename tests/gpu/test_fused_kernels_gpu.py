@@ -51,8 +51,11 @@ def test_fused_kernels_run_and_are_as_accurate_as_eager_mixed_precision(
     from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama
 
+    from posttrain.models.block_kernels import RMSNormRows
+
     calls: dict[str, int] = {}
-    _count_calls(monkeypatch, LigerRMSNormFunction, "apply", calls, "rms_norm")
+    _count_calls(monkeypatch, RMSNormRows, "apply", calls, "rms_norm")  # Liger's modules, on posttrain's kernels
+    _count_calls(monkeypatch, LigerRMSNormFunction, "apply", calls, "liger_rms_norm")
     _count_calls(monkeypatch, LigerSiLUMulFunction, "apply", calls, "swiglu")
     _count_calls(monkeypatch, liger_rope, "dispatch", calls, "rope")  # what liger_rotary_pos_emb calls
     original_norm = modeling_llama.LlamaRMSNorm
@@ -64,7 +67,7 @@ def test_fused_kernels_run_and_are_as_accurate_as_eager_mixed_precision(
     assert apply_fused_kernels(model) == "llama"
     fused_logits, fused_g = _logits_and_grads(model, ids_BL, autocast=True)
 
-    assert set(calls) == {"rms_norm", "swiglu", "rope"}, calls  # each of the three kernels ran
+    assert set(calls) == {"rms_norm", "swiglu", "rope"}, calls  # each of the three kernels ran, not Liger's norm
     # The tiny model's logits are small (its logprobs all sit near -log(49152)), so its logits, not
     # its logprobs, show the bf16 rounding; the fused kernels must not add to it beyond noise.
     eager_err = (eager_logits - exact_logits).abs().max().item()

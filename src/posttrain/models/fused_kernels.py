@@ -1,5 +1,8 @@
 """``model.fused_kernels``: Liger-Kernel's Triton RMSNorm, SwiGLU and RoPE in a CUDA policy.
 
+The RMSNorm modules Liger patches then compute on ``models/block_kernels.py``'s kernels, the same
+function tiled over rows (Liger's backward walks rows one at a time: 2.5x slower at W's size).
+
 The eager update of a small model spends most of its time outside the matrix products: each
 RMSNorm, SwiGLU and rotary embedding is several elementwise kernels, forward and backward. Liger
 Kernel (https://github.com/linkedin/Liger-Kernel, a maintained library) fuses each into one Triton
@@ -165,13 +168,16 @@ def apply_fused_kernels(model: nn.Module) -> str:
     # Liger looks for optional backends (CuTe DSL, Ascend) at the first call and logs a WARNING with
     # an ImportError for each one absent; the Triton backend it then runs needs neither.
     logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
-    drop_vllm_compile_warnings(liger_kernel_names())
+    from posttrain.models.block_kernels import KERNEL_NAMES, use_rows_rms_norm
+
+    drop_vllm_compile_warnings(liger_kernel_names() | KERNEL_NAMES)
     module_name, norm_class, mlp_class = FUSED_MODEL_TYPES[model_type]
     module = importlib.import_module(module_name)
     module_wide = {name: getattr(module, name) for name in (norm_class, mlp_class, "apply_rotary_pos_emb")}
     getattr(liger, f"apply_liger_kernel_to_{model_type}")(
         rope=False, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=model
     )
+    use_rows_rms_norm(model)  # Liger's RMSNorm modules, on posttrain's row-tiled kernels (models/block_kernels.py)
     for name, value in module_wide.items():  # the instances stay patched; later models of the type do not
         setattr(module, name, value)
     rope = module_wide["apply_rotary_pos_emb"]

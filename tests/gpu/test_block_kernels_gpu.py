@@ -1,0 +1,95 @@
+"""``models/block_kernels.py``'s RMSNorm kernels compiled on CUDA (``pytest -m gpu`` on the device
+machine, ``benchmarks/side_by_side.sh norm28``): against float64 next to Liger-Kernel's kernels and the
+eager module, at the update's shapes, and in a Liger-patched model's update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.models.block_kernels import RMSNormRows, rms_norm
+
+pytestmark = pytest.mark.gpu
+EPS = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tests need a CUDA device")
+
+
+def _eager(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def _run(fn, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
+    x, w = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    y = fn(x, w)
+    return [y.detach(), *torch.autograd.grad(y, [x, w], dy)]
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(19200, 896), (9600, 1536), (4097, 3584), (3, 5000), (1000, 100)])
+def test_the_kernels_are_as_close_to_float64_as_liger_and_eager(rows: int, hidden: int) -> None:
+    """W's and the 1.5B shape's micro-batches, Qwen2.5-7B's width with a partial last tile, a width
+    above the tile, a width that is not a power of two: output, input and weight gradients no further
+    from float64 than the eager module's bf16 (and Liger's, when installed) by more than one rounding."""
+    g = torch.Generator(device="cuda").manual_seed(rows + hidden)
+    x = (2 * torch.randn(rows, hidden, device="cuda", generator=g)).bfloat16()
+    w = (1 + 0.2 * torch.randn(hidden, device="cuda", generator=g)).bfloat16()
+    dy = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
+    exact = _run(_eager, x.double(), w.double(), dy.double())
+    others = {"eager": _run(_eager, x, w, dy)}
+    try:
+        from liger_kernel.ops import LigerRMSNormFunction
+
+        others["liger"] = _run(lambda a, b: LigerRMSNormFunction.apply(a, b, EPS, 0.0, "llama", False), x, w, dy)
+    except ImportError:
+        pass
+    ours = _run(lambda a, b: rms_norm(a, b, EPS), x, w, dy)
+    for i, name in enumerate(("y", "dx", "dw")):
+        scale = exact[i].abs().max().item()
+        err = (ours[i].double() - exact[i]).abs().max().item()
+        best = min((o[i].double() - exact[i]).abs().max().item() for o in others.values())
+        assert ours[i].dtype == torch.bfloat16 and ours[i].shape == exact[i].shape
+        assert err <= best + 2**-7 * scale, (name, err, best, scale)
+
+
+def test_a_fused_kernel_policy_updates_through_the_row_kernels(tiny_model_dir: str) -> None:
+    """A tiny Llama patched as ``model.fused_kernels`` patches a policy: every RMSNorm runs these kernels,
+    and its logits and gradients match the same model on Liger's RMSNorm to bf16 noise."""
+    pytest.importorskip("liger_kernel", reason="model.fused_kernels needs liger-kernel")
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models.block_kernels import use_liger_rms_norm, use_rows_rms_norm
+    from posttrain.models.fused_kernels import apply_fused_kernels
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).cuda()
+    apply_fused_kernels(model)
+    norms = use_rows_rms_norm(model)
+    assert norms == 2 * model.config.num_hidden_layers + 1
+    ids = torch.randint(100, 40000, (4, 96), generator=torch.Generator().manual_seed(0)).cuda()
+    calls = {"n": 0}
+    original = RMSNormRows.forward
+
+    def counted(ctx, *args):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        return original(ctx, *args)
+
+    def logits_and_grads() -> tuple[torch.Tensor, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        logits.logsumexp(-1).mean().backward()
+        return logits.detach(), torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+    RMSNormRows.forward = staticmethod(counted)  # type: ignore[method-assign]
+    try:
+        rows_logits, rows_grads = logits_and_grads()
+    finally:
+        RMSNormRows.forward = original  # type: ignore[method-assign]
+    assert calls["n"] == norms
+    use_liger_rms_norm(model)
+    liger_logits, liger_grads = logits_and_grads()
+    assert (rows_logits - liger_logits).abs().max().item() <= 0.05 * liger_logits.abs().max().item()
+    assert ((rows_grads - liger_grads).norm() / liger_grads.norm()).item() < 0.02
