@@ -108,6 +108,8 @@
 #          then tests/gpu/test_vllm_runner_gpu.py (rollout.vllm_model_runner=auto asks V2 for Qwen2)
 #   norm28 the RMSNorm alone, posttrain's row-tiled kernels against Liger's and eager (benchmarks/block_kernels.py),
 #          their GPU tests, then the update alone with them against Liger's RMSNorm (W, 1.5B); no vLLM kit
+#   mb28   the update alone in larger micro-batches (W: 64 against 128 rows; 1.5B: 32 against 64), then the
+#          RMSNorm kernels' GPU tests and the fused kernels' again (after norm28 on the same machine); no vLLM kit
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -828,6 +830,18 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
       --arms mixed_fused_trt,mixed_fused_trt_ligernorm,mixed_fused_trt,mixed_fused_trt_ligernorm
     update_arms norm28 1.5b 200 --repeats 3 --micro-batch 32 \
       --arms mixed_fused_trt,mixed_fused_trt_ligernorm,mixed_fused_trt,mixed_fused_trt_ligernorm ;;
+  mb28)
+    # norm28's W update was as fast with either RMSNorm although the GPU's work fell by 24 ms: its wall time
+    # (0.46 s) is above its GPU time (0.40 s), the host's ~43,000 aten calls setting the pace. A micro-batch
+    # twice as large halves the calls per token at the same arithmetic; invocations alternate
+    kit_free
+    for run in 64a 128a 64b 128b; do
+      update_arms "mb28_w$run" 0.5b 120 --repeats 4 --micro-batch "${run%?}" --arms mixed_fused_trt
+    done
+    for mb in 32 64; do
+      update_arms mb28_15b$mb 1.5b 150 --repeats 3 --micro-batch $mb --arms mixed_fused_trt
+    done
+    gpu_test_files mb28_gpu 200 tests/gpu/test_block_kernels_gpu.py tests/gpu/test_fused_kernels_gpu.py ;;
   runners27)
     # W's generation alone (bare LLM.generate, benchmarks/vllm_gen_variants.py --no-gc, each request variant):
     # vLLM 0.24's Model Runner V2 (its default for a Llama, sampling seeded or not by a Gumbel kernel keyed on

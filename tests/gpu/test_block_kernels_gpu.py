@@ -4,30 +4,24 @@ eager module, at the update's shapes, and in a Liger-patched model's update."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from posttrain.models.block_kernels import RMSNormRows, rms_norm
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
+from block_kernels_interpreted import EPS, eager_rms_norm, outputs  # the CPU check's reference and driver
+
 pytestmark = pytest.mark.gpu
-EPS = 1e-6
 
 
 @pytest.fixture(autouse=True)
 def _needs_cuda() -> None:
     if not torch.cuda.is_available():
         pytest.fail("the gpu tests need a CUDA device")
-
-
-def _eager(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    x32 = x.float()
-    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
-
-
-def _run(fn, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
-    x, w = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
-    y = fn(x, w)
-    return [y.detach(), *torch.autograd.grad(y, [x, w], dy)]
 
 
 @pytest.mark.parametrize(("rows", "hidden"), [(19200, 896), (9600, 1536), (4097, 3584), (3, 5000), (1000, 100)])
@@ -39,15 +33,15 @@ def test_the_kernels_are_as_close_to_float64_as_liger_and_eager(rows: int, hidde
     x = (2 * torch.randn(rows, hidden, device="cuda", generator=g)).bfloat16()
     w = (1 + 0.2 * torch.randn(hidden, device="cuda", generator=g)).bfloat16()
     dy = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
-    exact = _run(_eager, x.double(), w.double(), dy.double())
-    others = {"eager": _run(_eager, x, w, dy)}
+    exact = outputs(eager_rms_norm, x.double(), w.double(), dy.double())
+    others = {"eager": outputs(eager_rms_norm, x, w, dy)}
     try:
         from liger_kernel.ops import LigerRMSNormFunction
 
-        others["liger"] = _run(lambda a, b: LigerRMSNormFunction.apply(a, b, EPS, 0.0, "llama", False), x, w, dy)
+        others["liger"] = outputs(lambda a, b: LigerRMSNormFunction.apply(a, b, EPS, 0.0, "llama", False), x, w, dy)
     except ImportError:
         pass
-    ours = _run(lambda a, b: rms_norm(a, b, EPS), x, w, dy)
+    ours = outputs(lambda a, b: rms_norm(a, b, EPS), x, w, dy)
     for i, name in enumerate(("y", "dx", "dw")):
         scale = exact[i].abs().max().item()
         err = (ours[i].double() - exact[i]).abs().max().item()
@@ -56,13 +50,20 @@ def test_the_kernels_are_as_close_to_float64_as_liger_and_eager(rows: int, hidde
         assert err <= best + 2**-7 * scale, (name, err, best, scale)
 
 
-def test_a_fused_kernel_policy_updates_through_the_row_kernels(tiny_model_dir: str) -> None:
+def test_a_fused_kernel_policy_updates_through_the_row_kernels(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A tiny Llama patched as ``model.fused_kernels`` patches a policy: every RMSNorm runs these kernels,
     and its logits and gradients match the same model on Liger's RMSNorm to bf16 noise."""
     pytest.importorskip("liger_kernel", reason="model.fused_kernels needs liger-kernel")
     from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
 
     from posttrain.models.block_kernels import use_liger_rms_norm, use_rows_rms_norm
+
+    # the patch leaves Llama's module-level rotary function dispatching to Liger's on CUDA, by design
+    # (models/fused_kernels.py); put it back after this test, as test_fused_kernels_gpu.py starts unpatched
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
     from posttrain.models.fused_kernels import apply_fused_kernels
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).cuda()

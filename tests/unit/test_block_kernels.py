@@ -5,13 +5,10 @@ Liger patch, run in ``tests/gpu/test_block_kernels_gpu.py``."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 
@@ -19,20 +16,15 @@ from posttrain.models import block_kernels
 
 sys.path.insert(0, str(Path(__file__).parent))
 from block_kernels_interpreted import CASES
+from triton_interpreter import run_interpreted
 
 
 def test_the_kernels_match_float64_and_the_eager_module_in_tritons_interpreter() -> None:
     """Output, input gradient and weight gradient within fp32 rounding of float64 for fp32 inputs, and
     for bf16 inputs as close as the eager module's own bf16 arithmetic, for every case (several tiles,
     partial tiles, a hidden size that is not a power of two, more tiles than backward programs)."""
-    pytest.importorskip("triton", reason="Triton comes with vLLM's CPU build, which scripts/test.sh installs")
-    script = Path(__file__).with_name("block_kernels_interpreted.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(script)], check=False, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("ok ") == 2 * len(CASES), proc.stdout
+    stdout = run_interpreted("block_kernels_interpreted.py")
+    assert stdout.count("ok ") == 2 * len(CASES), stdout
 
 
 class LigerPatchedNorm(nn.Module):

@@ -11,8 +11,6 @@ and a marked head's CPU chunks keep the fp32 ``log_softmax``. The compiled kerne
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from posttrain.preflight.grpo import grpo_preflight
 
 sys.path.insert(0, str(Path(__file__).parent))
 from logprob_kernels_interpreted import CASES
+from triton_interpreter import run_interpreted
 
 ON = "model.triton_logprob_head=true"
 
@@ -38,14 +37,8 @@ def test_the_kernels_match_float64_in_tritons_interpreter() -> None:
     """Values within 1e-5 and bf16 gradients within half an ulp of float64, for every case of
     ``logprob_kernels_interpreted.CASES`` and a row whose maximum grows across blocks (that module, in a
     process of its own: the interpreter must be on before Triton is first imported)."""
-    pytest.importorskip("triton", reason="Triton comes with vLLM's CPU build, which scripts/test.sh installs")
-    script = Path(__file__).with_name("logprob_kernels_interpreted.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(script)], check=False, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count("ok ") == len(CASES) + 1, proc.stdout
+    stdout = run_interpreted("logprob_kernels_interpreted.py")
+    assert stdout.count("ok ") == len(CASES) + 1, stdout
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])

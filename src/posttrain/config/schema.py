@@ -100,8 +100,8 @@ class ModelConfig(Section):
     23 % at 1.5B, for 5-10 s on the first step; off for short jobs, and ``share_prompt_prefix=auto`` then never
     shares (docs/benchmarks.md). For ``rollout.backend=vllm``; refused for vision-language and routing replay."""
     fused_kernels: bool | Literal["auto"] = "auto"
-    """Liger-Kernel's Triton RMSNorm, SwiGLU, RoPE in the policy: one H200's update 0.85 -> 0.63 s at 0.4B, 1.94 -> 1.55
-    at 1.5B, as accurate as eager. ``auto``: on for a CUDA llama/qwen2/qwen3 policy when liger-kernel is installed
+    """Triton SwiGLU, RoPE (Liger-Kernel) and RMSNorm (posttrain's) in the policy: one H200's update 0.85 -> 0.63 s at
+    0.4B, 1.94 -> 1.55 at 1.5B, as accurate as eager. ``auto``: on for a CUDA llama/qwen2/qwen3 policy with liger-kernel
     (setup.sh adds it on a GPU), unless ``model.compile`` or LoRA; ``true`` refuses what that lacks."""
     cuda_graphs: bool | Literal["auto"] = "auto"
     """Replay the policy body's forward and backward as CUDA graphs per padded shape (docs/gpu.md): one H200's default

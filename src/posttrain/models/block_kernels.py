@@ -19,17 +19,18 @@ Every product of two bf16 values is formed in fp32, where it is exact, and round
 input dtype: the bf16 product the module's autograd forms, bit for bit (and Triton's interpreter,
 which the CPU tests use, has no bf16 arithmetic).
 
-On an H100 (``benchmarks/block_kernels.py``, 2026-12-06), the backward of W's micro-batch
-(19,200 x 896, bf16) took 54 us against Liger's 137 us, the 1.5B shape's (9,600 x 1,536) 49 against
-86 us; the forwards are equal. A flat SwiGLU kernel was tried the same way and was no faster than
-Liger's, which already runs at the memory's bandwidth: SwiGLU stays Liger's.
+On an H100 (``benchmarks/block_kernels.py``, 2026-12-06) the backward of W's micro-batch (19,200 x 896,
+bf16) took 54 us against Liger's 137 us, the 1.5B shape's (9,600 x 1,536) 49 against 86 us (on an H200:
+42 against 130, 40 against 81); the forwards are equal or a little faster. W's update alone took 12 ms
+less on the H100 (docs/benchmarks.md, twenty-eighth session). A flat SwiGLU kernel was tried the same
+way and was no faster than Liger's, which already runs at the memory's bandwidth: SwiGLU stays Liger's.
 
 ``use_rows_rms_norm`` rebinds the ``forward`` of the RMSNorm modules Liger patched, as Liger binds
 its own: parameter names and the state dict stay. A call the kernels do not cover (a CPU tensor, a
 weight of another dtype than the input, no rows) takes Liger's forward; Liger's Gemma offset and
-casting modes stay Liger's. Triton is
-imported at the first CUDA call; on the CPU the tests run the kernels in Triton's interpreter
-(``tests/unit/test_block_kernels.py``), on a GPU ``tests/gpu/test_block_kernels_gpu.py``.
+casting modes stay Liger's. Triton is imported at the first CUDA call; on the CPU the tests run the
+kernels in Triton's interpreter (``tests/unit/test_block_kernels.py``), on a GPU
+``tests/gpu/test_block_kernels_gpu.py``.
 """
 
 from __future__ import annotations
