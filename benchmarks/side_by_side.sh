@@ -110,6 +110,8 @@
 #          their GPU tests, then the update alone with them against Liger's RMSNorm (W, 1.5B); no vLLM kit
 #   mb28   the update alone in larger micro-batches (W: 64 against 128 rows; 1.5B: 32 against 64), then the
 #          RMSNorm kernels' GPU tests and the fused kernels' again (after norm28 on the same machine); no vLLM kit
+#   split28 W's generation split over 1 and 2 vLLM engines in their own processes on the one GPU
+#          (benchmarks/vllm_split_engines.py): do two schedulers beat one host-bound one? (vLLM kit)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -830,6 +832,17 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
       --arms mixed_fused_trt,mixed_fused_trt_ligernorm,mixed_fused_trt,mixed_fused_trt_ligernorm
     update_arms norm28 1.5b 200 --repeats 3 --micro-batch 32 \
       --arms mixed_fused_trt,mixed_fused_trt_ligernorm,mixed_fused_trt,mixed_fused_trt_ligernorm ;;
+  split28)
+    # W's generation (as posttrain asks) by one engine, then by two engines in two processes with 16 prompts
+    # each, started together: whether the decode's host work, the bound of W's generation, parallelizes
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    mkdir -p "$R/split28"
+    timeout 480 python3 benchmarks/vllm_split_engines.py --model /tmp/m05 --engines 1,2 --rounds 3 \
+      --out "$R/split28/split.json" >"$R/split28/split.log" 2>&1
+    echo "split28 rc=$?"; grep -E "RESULT|Error|exited" "$R/split28/split.log" | cut -c1-400
+    pack ;;
   mb28)
     # norm28's W update was as fast with either RMSNorm although the GPU's work fell by 24 ms: its wall time
     # (0.46 s) is above its GPU time (0.40 s), the host's ~43,000 aten calls setting the pace. A micro-batch
