@@ -47,16 +47,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     tok = AutoTokenizer.from_pretrained(a.model)
-    import random
-
-    rng = random.Random(0)
-    texts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": f"What is {rng.randint(1, 99)} + {rng.randint(1, 99)}? Think step by step."}],
-            add_generation_prompt=True, tokenize=False)
-        for _ in range(a.prompts)
-    ]  # fmt: skip
-    prompts = [TokensPrompt(prompt_token_ids=tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in w_prompt_ids(tok, a.prompts)]
     import torch
 
     cuda = {"attention_backend": "FLASH_ATTN", "dtype": "bfloat16"} if torch.cuda.is_available() else {}
@@ -115,6 +106,20 @@ def main() -> None:
     print("RESULT heap gc frozen", res["heap, gc frozen"], flush=True)
     del junk
     _write(res, a.out)
+
+
+def w_prompt_ids(tok: Any, count: int) -> list[list[int]]:
+    """Workload W's first ``count`` prompts (arithmetic questions in the model's chat template), as token ids."""
+    import random
+
+    rng = random.Random(0)
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"What is {rng.randint(1, 99)} + {rng.randint(1, 99)}? Think step by step."}],
+            add_generation_prompt=True, tokenize=False)
+        for _ in range(count)
+    ]  # fmt: skip
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
 def write_greedy(llm: Any, prompts: list[Any], path: str) -> None:

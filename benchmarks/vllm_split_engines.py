@@ -40,19 +40,14 @@ BARRIER_S = 300.0  # a round's longest wait: a worker that died leaves the other
 def _requests(tok: Any, tokens: int, first: int, count: int, seeded: bool) -> tuple[list[Any], list[Any]]:
     """Prompts ``first .. first + count - 1`` of W's 32, each sent as its first sample (logprob
     recorded) and its other seven (none), seeded per prompt as posttrain seeds them."""
-    import random
-
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm_gen_variants import w_prompt_ids  # this directory's: the same prompts as its variants
 
-    rng = random.Random(0)
-    questions = [f"What is {rng.randint(1, 99)} + {rng.randint(1, 99)}? Think step by step." for _ in range(PROMPTS)]
+    all_ids = w_prompt_ids(tok, PROMPTS)
     prompts, params = [], []
     for i in range(first, first + count):
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": questions[i]}], add_generation_prompt=True, tokenize=False
-        )
-        prompt = TokensPrompt(prompt_token_ids=tok(text, add_special_tokens=False)["input_ids"])
+        prompt = TokensPrompt(prompt_token_ids=all_ids[i])
         for is_first, n in ((True, 1), (False, SAMPLES - 1)):
             prompts.append(prompt)
             params.append(

@@ -12,8 +12,10 @@ import torch
 
 from posttrain.models.block_kernels import RMSNormRows, rms_norm
 
+sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
 from block_kernels_interpreted import EPS, eager_rms_norm, outputs  # the CPU check's reference and driver
+from call_counts import count_calls
 
 pytestmark = pytest.mark.gpu
 
@@ -60,23 +62,16 @@ def test_a_fused_kernel_policy_updates_through_the_row_kernels(
     from transformers.models.llama import modeling_llama
 
     from posttrain.models.block_kernels import use_liger_rms_norm, use_rows_rms_norm
+    from posttrain.models.fused_kernels import apply_fused_kernels
 
     # the patch leaves Llama's module-level rotary function dispatching to Liger's on CUDA, by design
     # (models/fused_kernels.py); put it back after this test, as test_fused_kernels_gpu.py starts unpatched
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
-    from posttrain.models.fused_kernels import apply_fused_kernels
-
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).cuda()
     apply_fused_kernels(model)
     norms = use_rows_rms_norm(model)
     assert norms == 2 * model.config.num_hidden_layers + 1
     ids = torch.randint(100, 40000, (4, 96), generator=torch.Generator().manual_seed(0)).cuda()
-    calls = {"n": 0}
-    original = RMSNormRows.forward
-
-    def counted(ctx, *args):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        return original(ctx, *args)
 
     def logits_and_grads() -> tuple[torch.Tensor, torch.Tensor]:
         model.zero_grad(set_to_none=True)
@@ -84,12 +79,10 @@ def test_a_fused_kernel_policy_updates_through_the_row_kernels(
         logits.logsumexp(-1).mean().backward()
         return logits.detach(), torch.cat([p.grad.float().flatten() for p in model.parameters()])
 
-    RMSNormRows.forward = staticmethod(counted)  # type: ignore[method-assign]
-    try:
-        rows_logits, rows_grads = logits_and_grads()
-    finally:
-        RMSNormRows.forward = original  # type: ignore[method-assign]
-    assert calls["n"] == norms
+    calls: dict[str, int] = {}
+    count_calls(monkeypatch, RMSNormRows, "apply", calls, "rows")
+    rows_logits, rows_grads = logits_and_grads()
+    assert calls == {"rows": norms}
     use_liger_rms_norm(model)
     liger_logits, liger_grads = logits_and_grads()
     assert (rows_logits - liger_logits).abs().max().item() <= 0.05 * liger_logits.abs().max().item()

@@ -3,7 +3,9 @@ the device machine with liger-kernel installed, ``benchmarks/side_by_side.sh fus
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +13,9 @@ import torch
 from torch import nn
 
 from posttrain.models.fused_kernels import apply_fused_kernels
+
+sys.path.insert(0, str(Path(__file__).parent))
+from call_counts import count_calls
 
 pytestmark = pytest.mark.gpu
 
@@ -32,17 +37,6 @@ def _logits_and_grads(model: nn.Module, ids_BL: torch.Tensor, autocast: bool) ->
     return logits_BTV.detach(), grads
 
 
-def _count_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, calls: dict[str, int], key: str) -> None:
-    """Count the calls of ``owner.name`` (a Liger kernel's entry point) in ``calls[key]``."""
-    original = getattr(owner, name)
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[key] = calls.get(key, 0) + 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, staticmethod(counted) if isinstance(owner, type) else counted)
-
-
 def test_fused_kernels_run_and_are_as_accurate_as_eager_mixed_precision(
     tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -54,10 +48,10 @@ def test_fused_kernels_run_and_are_as_accurate_as_eager_mixed_precision(
     from posttrain.models.block_kernels import RMSNormRows
 
     calls: dict[str, int] = {}
-    _count_calls(monkeypatch, RMSNormRows, "apply", calls, "rms_norm")  # Liger's modules, on posttrain's kernels
-    _count_calls(monkeypatch, LigerRMSNormFunction, "apply", calls, "liger_rms_norm")
-    _count_calls(monkeypatch, LigerSiLUMulFunction, "apply", calls, "swiglu")
-    _count_calls(monkeypatch, liger_rope, "dispatch", calls, "rope")  # what liger_rotary_pos_emb calls
+    count_calls(monkeypatch, RMSNormRows, "apply", calls, "rms_norm")  # Liger's modules, on posttrain's kernels
+    count_calls(monkeypatch, LigerRMSNormFunction, "apply", calls, "liger_rms_norm")
+    count_calls(monkeypatch, LigerSiLUMulFunction, "apply", calls, "swiglu")
+    count_calls(monkeypatch, liger_rope, "dispatch", calls, "rope")  # what liger_rotary_pos_emb calls
     original_norm = modeling_llama.LlamaRMSNorm
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda()
     ids_BL = torch.randint(100, 40000, (4, 96), generator=torch.Generator().manual_seed(0)).cuda()
