@@ -89,28 +89,37 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     if args.engine == "vllm":
         from posttrain.rollout.factory import vllm_dtype
         from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+        from posttrain.rollout.vllm_fleet import VLLMEngineFleet
 
-        engine = VLLMRolloutEngine(
-            args.model,
-            tokenizer,
-            temperature=1.0,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_model_len=args.max_model_len,
-            enforce_eager=args.enforce_eager,
-            seed=0,
-            # the dtype a run's engine gets (the policy's compute dtype: bf16 beside fp32 master
-            # weights); the parameters' dtype gave an fp32 engine in the W runs of 2026-12-01 (evening)
-            dtype=vllm_dtype(cfg),
-            enable_sleep_mode=args.sleep,
-            async_scheduling=True if args.async_scheduling else None,
-            separate_process=args.separate_engine_process,
-            # --call-seeds: seeded per call (CPU build only; not off-policy: the trainer runs meanwhile)
-            call_seeds=args.call_seeds and not args.off_policy,
-            # --max-num-seqs: vLLM's cap on running sequences (1,024 by default on an H200, where CUDA
-            # graphs are captured up to 512 only)
-            launcher_args=_engine_extras(args),
-            # --cudagraph-max: rollout.cudagraph_capture_max, the largest decode batch vLLM graphs
-            cudagraph_capture_max=args.cudagraph_max or None,
+        def vllm_engine(share: float) -> VLLMRolloutEngine:
+            return VLLMRolloutEngine(
+                args.model,
+                tokenizer,
+                temperature=1.0,
+                gpu_memory_utilization=share,
+                max_model_len=args.max_model_len,
+                enforce_eager=args.enforce_eager,
+                seed=0,
+                # the dtype a run's engine gets (the policy's compute dtype: bf16 beside fp32 master
+                # weights); the parameters' dtype gave an fp32 engine in the W runs of 2026-12-01 (evening)
+                dtype=vllm_dtype(cfg),
+                enable_sleep_mode=args.sleep,
+                async_scheduling=True if args.async_scheduling else None,
+                separate_process=args.separate_engine_process,
+                # --call-seeds: seeded per call (CPU build only; not off-policy: the trainer runs meanwhile)
+                call_seeds=args.call_seeds and not args.off_policy,
+                # --max-num-seqs: vLLM's cap on running sequences (1,024 by default on an H200, where CUDA
+                # graphs are captured up to 512 only)
+                launcher_args=_engine_extras(args),
+                # --cudagraph-max: rollout.cudagraph_capture_max, the largest decode batch vLLM graphs
+                cudagraph_capture_max=args.cudagraph_max or None,
+            )
+
+        # --engines N: rollout.engines_per_device, N engine processes sharing the GPU's vLLM memory
+        engine = (
+            vllm_engine(args.gpu_memory_utilization)
+            if args.engines == 1
+            else VLLMEngineFleet(vllm_engine, args.engines, args.gpu_memory_utilization)
         )
         print(f"vLLM seeding: {engine.seeding} (rollout/vllm_seeding.py)", flush=True)
     else:
@@ -476,6 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--async-scheduling", action="store_true", help="vLLM async scheduling")
     p.add_argument("--off-policy", action="store_true", help="rl.max_off_policy_steps=1: sample k+1 while k trains")
     p.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help="rollout.engines_per_device: vLLM engines sharing the GPU, each core in its own process (needs "
+        "--separate-engine-process when above 1)",
+    )
+    p.add_argument(
         "--separate-engine-process",
         action="store_true",
         help="rollout.separate_engine_process: vLLM's engine core in a process of its own (weights by CUDA IPC)",
@@ -536,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--off-policy needs --engine vllm (the transformers engine samples with the trained module)")
     if args.trl and not args.out:
         p.error("--trl needs --out (TRL's figures are written beside it)")
+    if args.engines > 1 and not args.separate_engine_process:
+        p.error("--engines above 1 needs --separate-engine-process (each engine core in a process of its own)")
     if args.arms and (args.off_policy or args.trl or not args.out_dir):
         p.error("--arms needs --out-dir and takes neither --off-policy (its sampler runs ahead) nor --trl")
     if args.arms:

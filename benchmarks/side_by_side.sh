@@ -112,6 +112,8 @@
 #          RMSNorm kernels' GPU tests and the fused kernels' again (after norm28 on the same machine); no vLLM kit
 #   split28 W's generation split over 1 and 2 vLLM engines in their own processes on the one GPU
 #          (benchmarks/vllm_split_engines.py): do two schedulers beat one host-bound one? (vLLM kit)
+#   fleet29 W in whole steps as shipped (one in-process engine) against rollout.engines_per_device=2 (two
+#          engine processes, rollout/vllm_fleet.py), then one-step off-policy W with two engines (vLLM kit)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -842,6 +844,21 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     timeout 480 python3 benchmarks/vllm_split_engines.py --model /tmp/m05 --engines 1,2 --rounds 3 \
       --out "$R/split28/split.json" >"$R/split28/split.log" 2>&1
     echo "split28 rc=$?"; grep -E "RESULT|Error|exited" "$R/split28/split.log" | cut -c1-400
+    pack ;;
+  fleet29)
+    # split28's two bare engine processes (0.90 s against 1.26-1.40 s for W's generation) as posttrain runs
+    # them: W in whole steps as shipped, then the same with two engines (each core in its own process,
+    # the prompts split, 0.15 of the GPU each), then one-step off-policy W with two engines
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    step w_fleet29_one 240 --model /tmp/m05 --micro-batch 64 --steps 6 --out "$R/w_fleet29_one.json"
+    pack
+    step w_fleet29_two 240 --model /tmp/m05 --micro-batch 64 --steps 6 --separate-engine-process --engines 2 \
+      --out "$R/w_fleet29_two.json"
+    pack
+    step w_fleet29_off 240 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
+      --engines 2 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_fleet29_off.json"
     pack ;;
   mb28)
     # norm28's W update was as fast with either RMSNorm although the GPU's work fell by 24 ms: its wall time

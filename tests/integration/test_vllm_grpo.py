@@ -87,6 +87,27 @@ def test_two_grpo_steps_with_the_vllm_engine_and_an_exact_resume(
 
 
 @pytest.mark.slow
+def test_two_engines_per_device_train_as_one_engine(
+    tmp_path: Path,
+    smollm2_tokenizer_dir: str,
+    run_overrides: Callable[..., list[str]],
+    grpo_cli: Callable[..., subprocess.CompletedProcess[str]],
+) -> None:
+    """``rollout.engines_per_device=2`` (two engine processes, each sampling half of every call's
+    prompts) trains exactly as one in-process engine: the same rewards, losses and gradient norms on
+    both steps, step 2 sampled with the weights of step 1's update by both engines."""
+    runs = {}
+    for name, extra in (("one", ()), ("two", ("rollout.separate_engine_process=true", "rollout.engines_per_device=2"))):
+        _, _, records, res = _vllm_grpo_run(
+            tmp_path / name, smollm2_tokenizer_dir, run_overrides, grpo_cli, name, "rl.max_steps=2", EAGER, *extra
+        )
+        runs[name] = [{k: v for k, v in r.items() if not k.startswith(("timer/", "rollout/"))} for r in records]
+    assert "2 vLLM engines (one process each) started" in res.stdout
+    assert runs["two"] == runs["one"] and [r["step"] for r in runs["two"]] == [1, 2]
+    assert runs["two"][1]["train/logprob_gap_max"] < 1e-3
+
+
+@pytest.mark.slow
 def test_sampler_logprobs_recorded_every_other_step(
     tmp_path: Path,
     smollm2_tokenizer_dir: str,

@@ -4,7 +4,7 @@
 ``BaseRLConfig`` the loop and objective knobs GRPO and OPD share; ``GRPORLConfig`` adds GRPO's own
 (the importance-sampling level, the KL reference, score centering, dynamic sampling). OPD's parts
 are in ``config/opd.py``, the topology section in ``config/grid.py``, the optimizer's in
-``config/optimizer.py``, and the base class every
+``config/optimizer.py``, the rollout engine's in ``config/rollout.py``, and the base class every
 section derives from (unknown keys forbidden, finite numbers, 64-bit integers) in
 ``config/section.py``. Every field's docstring becomes its description (in errors and in docs/config.md,
 which a test regenerates from these models). Rules that tie several fields together live in the
@@ -27,6 +27,7 @@ from posttrain.config.eval import EvalConfig
 from posttrain.config.grid import GridConfig
 from posttrain.config.lora import LoraConfig
 from posttrain.config.optimizer import OptimizerConfig
+from posttrain.config.rollout import RolloutConfig
 from posttrain.config.section import SEED_BOUND, Section
 from posttrain.config.upload import UploadConfig
 
@@ -129,87 +130,6 @@ class ModelConfig(Section):
         if taken:
             raise ValueError(f"{', '.join(taken)} is set by posttrain itself; remove it from chat_template_kwargs")
         return v
-
-
-class RolloutConfig(Section):
-    """The rollout engine and its sampling controls."""
-
-    backend: Literal["hf", "vllm"] = "hf"
-    """``hf`` samples with transformers (works everywhere); ``vllm`` with a vLLM engine."""
-    max_tokens: int = Field(16, ge=1)
-    """Most new tokens per completion; a completion cut here has finish reason ``length``."""
-    temperature: float = Field(1.0, ge=1e-2, le=1e2)
-    """Sampling temperature, in [0.01, 100]: the engines divide logits by it, so a smaller value
-    overflows a bf16/fp32 logit to inf (then NaN probabilities), and above 100 every token is already
-    about equally likely."""
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling; 1 disables it."""
-    top_k: int = -1
-    """Top-k sampling; 0 or a negative value disables it."""
-    repetition_penalty: float = Field(1.0, ge=1e-2, le=1e2)
-    """Repetition penalty, in [0.01, 100]; 1 disables it. Seen tokens' logits are divided (positive)
-    or multiplied (negative) by it, so outside this range they overflow or vanish like a temperature."""
-    seed: int | None = Field(0, ge=0, lt=SEED_BOUND)
-    """Sampling seed, in [0, 2**63): decides what each ``generate`` call draws, so a resumed run draws
-    what the uninterrupted one drew. vLLM seeds each prompt's request (``rollout.per_prompt_seeds``;
-    docs/vllm.md). ``null``: not seeded."""
-    per_prompt_seeds: bool = True
-    """vLLM: a request seed per prompt. ``false``: the engine's generators seeded once per call instead
-    (CPU build only, in-process, on-policy, TP 1; a CUDA engine refuses it; docs/vllm.md "Seeding")."""
-    sampler_logprobs_every: int = Field(1, ge=0)
-    """vLLM: record the sampler's logprob of each generated token only when sampling with the weights of
-    every N-th optimizer step (the initial weights included); 0: never. It costs vLLM per-token work (W's
-    generation on an H100: 0.13 s of 1.20 s for each group's first sample's, 0.55 s for all); unrecorded,
-    ``train/logprob_gap_*`` is absent on that step. Must be 1 when the loss or off-policy sampling reads
-    them (score centering records them anyway). The hf engine always records them (free there)."""
-    sampler_logprobs_samples: int | Literal["auto"] | None = "auto"
-    """vLLM: only the first N samples of each group record the sampler's logprobs (``null``: all);
-    ``train/logprob_gap_*`` is measured on those, the draws are unchanged. ``auto``: 1 unless the
-    objective reads every completion's (``rl.use_rollout_logprobs_for_loss``, score centering, OPD's
-    advantage mode), then all. An explicit N is refused where the objective reads them. Recording all made
-    W's step 0.23-0.43 s slower on two H200s, 0.40 s on an H100 (docs/benchmarks.md)."""
-    batch_size: int = Field(256, ge=1)
-    """Most sequences the hf engine decodes at once."""
-
-    @field_validator("sampler_logprobs_samples")
-    @classmethod
-    def _positive_samples(cls, v: int | str | None) -> int | str | None:
-        if isinstance(v, int) and v < 1:
-            raise ValueError("must be at least 1 (null: every sample records; auto: as the objective needs)")
-        return v
-
-    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
-    """GPU fraction reserved for a colocated vLLM engine."""
-    tensor_parallel_size: int = Field(1, ge=1)
-    """vLLM tensor-parallel width (must equal ROLLOUT_RANKS of ``grid.shapes.rollout``)."""
-    max_model_len: int | None = Field(None, ge=16)
-    """vLLM context length (prompt plus completion: more than ``max_tokens``); ``null`` = the model's own."""
-    enforce_eager: bool = False
-    """vLLM: skip CUDA-graph capture (faster start, slower decode)."""
-    cudagraph_capture_max: int | None = Field(None, ge=1)
-    """vLLM: the largest decode batch captured as a CUDA graph (``null``: vLLM's min(2 x max_num_seqs, 512));
-    larger batches decode eager. On an H200, 1,024 cut 128 prompts x 8 samples' generation by 30 %."""
-    async_scheduling: bool | None = None
-    """vLLM's asynchronous scheduling (overlaps the host-side scheduling of step k+1 with the GPU
-    work of step k); ``null`` keeps vLLM's default."""
-    vllm_model_runner: Literal["auto", "v1", "v2"] = "auto"
-    """vLLM on CUDA: its V1 or V2 model runner, for the whole process. ``auto``: vLLM's choice, but V2 for a
-    seeded one-GPU text engine of an architecture checked on it (Qwen2); docs/vllm.md, "Model runners"."""
-    separate_engine_process: bool = False
-    """vLLM: the engine core (scheduler, model runner, sampler) in a process of its own, so its host
-    work no longer takes turns with the trainer's on one GIL (what ``rl.max_off_policy_steps=1``
-    needs to overlap); weights go through one buffer both map (shared memory; CUDA IPC). Colocated
-    engines only; a script using the Python API needs an ``if __name__ == "__main__":`` guard."""
-    enable_sleep_mode: bool = False
-    """vLLM on a GPU: put the engine to sleep while the policy trains (its weights and KV cache leave
-    GPU memory) and wake it for the next generation; ignored on CPU (docs/vllm.md)."""
-    sleep_level: Literal[1, 2] = 1
-    """vLLM sleep level: 1 offloads the weights to CPU memory and drops the KV cache; 2 drops both
-    (the next weight sync restores the weights)."""
-    moe_backend: str = Field("auto", min_length=1)
-    """vLLM's MoE expert kernel for a sparse-MoE policy (vLLM's ``moe_backend`` engine argument, e.g.
-    ``triton``); ``auto`` lets vLLM choose. The value must be one the pinned vLLM accepts (vLLM
-    refuses others when the engine starts). ``rl.teacher.moe_backend`` does not follow it."""
 
 
 class RefConfig(Section):

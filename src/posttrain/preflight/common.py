@@ -150,6 +150,7 @@ def check_rollout_backend(cfg: RunConfig, out: Findings) -> None:
                 )
     check_engine_context(cfg, out)
     check_separate_engine_process(cfg, out)
+    check_engines_per_device(cfg, out)
     check_weight_sync(cfg, out)
 
 
@@ -187,11 +188,38 @@ def check_separate_engine_process(cfg: RunConfig, out: Findings) -> None:
         out.warnings.append(
             "rollout.separate_engine_process=true inside Ray actors is untested (tested: grid.backend=local)"
         )
-    if cfg.rl.max_off_policy_steps == 0:
+    if cfg.rl.max_off_policy_steps == 0 and cfg.rollout.engines_per_device == 1:
         out.warnings.append(
             "rollout.separate_engine_process=true with rl.max_off_policy_steps=0: sampling and training take "
             "turns anyway, so the separate process only adds inter-process traffic"
         )
+
+
+def check_engines_per_device(cfg: RunConfig, out: Findings) -> None:
+    """Several vLLM engines on one device (``rollout/vllm_fleet.py``): colocated plain text engines of
+    one device each, every engine core in a process of its own."""
+    ro = cfg.rollout
+    if ro.engines_per_device == 1:
+        return
+    head = f"rollout.engines_per_device={ro.engines_per_device}"
+    found = [
+        (ro.backend != "vllm", f"runs several vLLM engines: it needs rollout.backend=vllm (got {ro.backend})"),
+        (
+            not ro.separate_engine_process,
+            "runs each engine core in a process of its own: set rollout.separate_engine_process=true",
+        ),
+        (
+            cfg.grid.gpu_placement != "colocated",
+            "applies to colocated engines; with grid.gpu_placement=disaggregated add rollout replicas instead",
+        ),
+        (ro.tensor_parallel_size > 1, "needs rollout.tensor_parallel_size=1 (each engine on one device)"),
+        (cfg.model.lora.enabled, "does not serve LoRA adapters yet: unset model.lora or set it to 1"),
+        (
+            getattr(cfg.rl, "routing_replay", "off") == "rollout",
+            "does not return routed experts yet: set rl.routing_replay=off or rollout.engines_per_device=1",
+        ),
+    ]
+    out.errors.extend(f"{head} {message}" for hit, message in found if hit)
 
 
 def check_weight_sync(cfg: RunConfig, out: Findings) -> None:

@@ -79,6 +79,10 @@ def _refusals(cfg: RunConfig) -> list[str]:
             "rl.grpo_surrogate=legacy_pg cannot score multimodal inputs; use rl.grpo_surrogate=clipped",
         ),
         (model.lora.enabled, "model.lora: adapters on a vision-language policy are not supported yet; unset it"),
+        (
+            ro.engines_per_device > 1,
+            f"rollout.engines_per_device={ro.engines_per_device} splits text prompts only; set it to 1",
+        ),
         (model.compile, "model.compile=true is not supported for vision-language policies yet; set it false"),
         (
             not model.use_chat_template,

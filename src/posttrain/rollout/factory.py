@@ -23,6 +23,7 @@ from posttrain.rollout.hf_engine import HFRolloutEngine
 
 if TYPE_CHECKING:
     from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+    from posttrain.rollout.vllm_fleet import VLLMEngineFleet
 
 
 def build_rollout_engine(cfg: RunConfig, model: Any, tokenizer: Any, log: MetricsLogger) -> RolloutEngine:
@@ -38,16 +39,24 @@ def build_rollout_engine(cfg: RunConfig, model: Any, tokenizer: Any, log: Metric
         return build_hf_engine(cfg, engine_model, tokenizer)
     # vLLM runs in the compute dtype (bf16 under mixed precision, whatever the master weights'
     # dtype: its attention kernels take no fp32) and receives the weights cast to it.
-    engine = build_vllm_engine(
-        cfg,
-        resolve_model_path(cfg.model.name_or_path, cfg.model.revision),
-        tokenizer,
-        dtype=policy_precision(cfg, model).compute_name,
-    )
+    model_dir = resolve_model_path(cfg.model.name_or_path, cfg.model.revision)
+    dtype = policy_precision(cfg, model).compute_name
+    engines = cfg.rollout.engines_per_device
+    engine: VLLMRolloutEngine | VLLMEngineFleet
+    if engines == 1:
+        engine = build_vllm_engine(cfg, model_dir, tokenizer, dtype=dtype)
+    else:  # rollout/vllm_fleet.py: the preflight checked that each engine core runs apart
+        from posttrain.rollout.vllm_fleet import VLLMEngineFleet
+
+        def member(share: float) -> VLLMRolloutEngine:
+            return build_vllm_engine(cfg, model_dir, tokenizer, dtype=dtype, gpu_memory_utilization=share)
+
+        engine = VLLMEngineFleet(member, engines, cfg.rollout.gpu_memory_utilization)
     from posttrain.rollout.vllm_seeding import seeding_note
 
+    started = "vLLM engine started" if engines == 1 else f"{engines} vLLM engines (one process each) started"
     log.info(
-        f"vLLM engine started in {engine.start_s:.1f}s (logprobs_mode={engine.logprobs_mode}, "
+        f"{started} in {engine.start_s:.1f}s (logprobs_mode={engine.logprobs_mode}, "
         f"{seeding_note(engine.seeding)}, {engine.model_runner.upper()} model runner)"
     )
     return engine
@@ -79,11 +88,13 @@ def build_vllm_engine(
     dtype: str,
     enable_sleep_mode: bool | None = None,
     launcher_args: dict[str, Any] | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> VLLMRolloutEngine:
     """The vLLM engine the ``rollout`` section describes, on ``model_dir``'s weights in ``dtype``;
     ``enable_sleep_mode`` overrides ``rollout.enable_sleep_mode`` (a replica with a GPU of its own
     has nothing to make room for); ``launcher_args``: a tensor-parallel lane's vLLM launcher
-    arguments (``launch/rollout_lanes.py``)."""
+    arguments (``launch/rollout_lanes.py``); ``gpu_memory_utilization``: a fleet member's share
+    (``rollout/vllm_fleet.py``) instead of ``rollout.gpu_memory_utilization``."""
     from posttrain.models.vision import vision_model_type
     from posttrain.rollout.vllm_engine import VLLMRolloutEngine
     from posttrain.rollout.vllm_seeding import wants_call_seeds
@@ -93,7 +104,7 @@ def build_vllm_engine(
         model_dir,
         tokenizer,
         temperature=ro.temperature,
-        gpu_memory_utilization=ro.gpu_memory_utilization,
+        gpu_memory_utilization=ro.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization,
         tensor_parallel_size=ro.tensor_parallel_size,
         max_model_len=ro.max_model_len,
         enforce_eager=ro.enforce_eager,

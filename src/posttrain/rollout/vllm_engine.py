@@ -19,16 +19,15 @@ post-load processing). Then the engine drops the prefix cache (KV of the old wei
 stamps the version. A transfer that fails midway poisons the engine (``rollout/state.py``).
 
 With ``separate_process`` (``rollout.separate_engine_process``) the engine core runs in a process of
-its own instead, so sampling in a background thread does not take turns with the trainer on this
-process's GIL (what the one-step off-policy mode needs to overlap), and the weights go through one
-buffer both processes map (``rollout/vllm_shared_weights.py``: shared memory, CUDA IPC on a GPU).
+its own, so sampling in a background thread does not take turns with the trainer on this process's
+GIL (one-step off-policy), and the weights go through one buffer both processes map
+(``rollout/vllm_shared_weights.py``: shared memory, CUDA IPC); ``rollout/vllm_fleet.py`` runs several.
 
-Versions: vLLM 0.32 (CPU build, CI) and 0.24 (CUDA 13 / torch 2.11, the GPU device) expose the same
-APIs used here. On a CUDA platform the engine asks for vLLM's FlashAttention backend by default
-(``attention_backend``), and can free its GPU memory while the policy trains (``enable_sleep_mode``):
-``generate`` puts the engine to sleep when it returns, ``load_weights`` wakes the weights, writes the
-new ones and then wakes the KV cache, and ``generate`` wakes whatever still sleeps. vLLM's CPU backend
-has no sleep mode, so there the option is ignored.
+vLLM 0.32 (CPU build, CI) and 0.24 (CUDA 13 / torch 2.11, the GPU device) expose the APIs used here.
+On CUDA the engine asks for vLLM's FlashAttention backend by default (``attention_backend``), and can
+free its GPU memory while the policy trains (``enable_sleep_mode``): ``generate`` puts the engine to
+sleep when it returns, ``load_weights`` wakes the weights, writes the new ones, then wakes the KV
+cache, and ``generate`` wakes whatever still sleeps (vLLM's CPU backend has no sleep mode).
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from posttrain.errors import ConfigError, PosttrainError, TrainingError
-from posttrain.models.chat import eos_token_ids
 from posttrain.models.moe import checkpoint_layout
 from posttrain.rollout.base import RolloutBatch, SamplingParams, check_generate_inputs, generation_stats
 from posttrain.rollout.state import RESUME_HINT, EngineState, records_logprobs
@@ -77,6 +75,7 @@ from posttrain.rollout.vllm_runtime import (
     engine_thread_count,
     import_vllm,
     model_architectures,
+    model_eos_ids,
     model_runner_for,
     on_cuda,
     shutdown_llm,
@@ -132,7 +131,7 @@ class VLLMRolloutEngine:
         # vLLM's CPU backend sizes its KV cache from this (GiB); without it, it guesses from free RAM.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
-        self.eos_ids = list(eos_ids) if eos_ids else _model_eos_ids(model_dir, self.tokenizer)
+        self.eos_ids = list(eos_ids) if eos_ids else model_eos_ids(model_dir, self.tokenizer)
         self.logprobs_mode = logprobs_mode_for(temperature)
         self._checkpoint_names = checkpoint_tensor_names(model_dir)
         self.state = EngineState("the vLLM rollout engine cannot be used: {reason}. " + RESUME_HINT)
@@ -282,6 +281,10 @@ class VLLMRolloutEngine:
         self.last_wake_s += time.perf_counter() - start
 
     # -- weights -------------------------------------------------------------------------------
+    def holds(self, version: int) -> bool:
+        """Whether vLLM holds the weights of ``version`` now (a transfer wrote them, no sleep dropped them)."""
+        return self._loaded_version == version and not self._weights_dropped
+
     def receive_weights(self, weights: PolicyWeights, version: int) -> None:
         """The policy's current weights into the vLLM model (see ``load_weights``): its own tensors
         in one process, the gathered full tensors when it is sharded (a collective every rank's
@@ -290,7 +293,7 @@ class VLLMRolloutEngine:
         A version this engine already loaded and still holds is not sent again: the optimizer step
         skipped (every group tied) leaves the policy's weights, and their version, unchanged. Every
         rank skips alike (the version is the same on all), so no rank waits in a gather alone."""
-        if self._loaded_version == version and not self._weights_dropped:
+        if self.holds(version):
             self.state.check_usable()
             self.last_sync_s = 0.0
             return
@@ -396,11 +399,14 @@ class VLLMRolloutEngine:
         params: SamplingParams,
         images: Sequence[Sequence[Any]] | None = None,
         banned_token_ids: Sequence[int] = (),
+        *,
+        first_prompt: int = 0,
     ) -> RolloutBatch:
         """``n`` completions per prompt, grouped by prompt (prompt 0's ``n`` first). ``images``: each
         prompt's decoded images in order, its ids expanded by the processor (an engine built with
         ``max_images_per_prompt``; ``rollout/vllm_images.py`` checks vLLM's expansion against them).
-        ``banned_token_ids`` are never sampled (the vision special tokens of an image policy)."""
+        ``banned_token_ids`` are never sampled (the vision special tokens of an image policy);
+        ``first_prompt``: prompt 0's index in a call split over engines (``rollout/vllm_fleet.py``)."""
         pad_id = self.image_pad_id
         if images is not None and pad_id is None:
             raise TrainingError("image prompts need a vLLM engine built with max_images_per_prompt > 0")
@@ -418,7 +424,7 @@ class VLLMRolloutEngine:
         per_call = self.seeding == "call" and params.seed is not None
         owners, prompts, requests, recorded = call_requests(
             prompt_token_ids, n, params, call_index=call_index, eos_ids=self.eos_ids, record=record,
-            seed_prompts=not per_call,
+            seed_prompts=not per_call, first_prompt=first_prompt,
         )  # fmt: skip
         if images is not None and pad_id is not None:
             prompts = image_token_prompts(prompt_token_ids, images, owners, pad_id)
@@ -450,18 +456,6 @@ class VLLMRolloutEngine:
             self.sleep()
             stats["rollout/sleep_s"] = self.last_sleep_s
         return RolloutBatch([list(p) for p in prompt_token_ids], completions, self.weight_version, stats)
-
-
-def _model_eos_ids(model_dir: str, tokenizer: Any) -> list[int]:
-    """The EOS ids of ``model_dir``'s generation config (or, without one, its model config)."""
-    from transformers import AutoConfig, GenerationConfig
-
-    try:
-        generation_config = GenerationConfig.from_pretrained(model_dir)
-    except OSError:  # no generation_config.json: the model config's EOS is enough
-        generation_config = None
-    config = AutoConfig.from_pretrained(model_dir)
-    return eos_token_ids(tokenizer, config, generation_config=generation_config)
 
 
 def _as_engine_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

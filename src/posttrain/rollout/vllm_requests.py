@@ -81,6 +81,7 @@ def call_requests(
     eos_ids: list[int],
     record: bool,
     seed_prompts: bool = True,
+    first_prompt: int = 0,
 ) -> tuple[list[int], list[Any], list[Any], list[bool]]:
     """The requests of one ``generate`` call: ``(owners, prompts, requests, recorded)``, where
     ``owners[i]`` is the prompt index of request ``i`` and ``recorded[i]`` whether it asks for the
@@ -91,7 +92,11 @@ def call_requests(
     With ``params.sampler_logprobs_samples = k < n`` a recording call splits each prompt's request
     in two: its first ``k`` samples, which record, and the other ``n - k``, which do not. vLLM seeds
     sample ``i`` of a request seeded ``s`` with ``s + i``, so the second request, seeded ``s + k``,
-    draws exactly what samples ``k..n-1`` of the unsplit request would have drawn."""
+    draws exactly what samples ``k..n-1`` of the unsplit request would have drawn.
+
+    ``first_prompt``: the call's index of prompt 0 here, when a call's prompts are split over several
+    engines (``rollout/vllm_fleet.py``): each prompt is seeded by its index in the whole call, so it
+    draws what it would in one engine."""
     from vllm.inputs import TokensPrompt
 
     k = recorded_samples(params, n, record)
@@ -109,7 +114,7 @@ def call_requests(
             recorded.append(rec)
             requests.append(
                 sampling_request(
-                    params, count, call_index, p, eos_ids=eos_ids, record=rec, seeded=seed_prompts,
+                    params, count, call_index, first_prompt + p, eos_ids=eos_ids, record=rec, seeded=seed_prompts,
                     seed_offset=offset,
                 )
             )  # fmt: skip

