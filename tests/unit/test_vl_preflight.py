@@ -37,6 +37,7 @@ def _errors(overrides: list[str]) -> list[str]:
         ("rl.grpo_surrogate=legacy_pg", "rl.grpo_surrogate=legacy_pg cannot score multimodal inputs"),
         ("model.lora.rank=8", "model.lora: adapters on a vision-language policy are not supported yet"),
         ("model.compile=true", "model.compile=true is not supported for vision-language policies yet"),
+        ("rollout.engines_per_device=2", "rollout.engines_per_device=2 splits text prompts only"),
         ("model.use_chat_template=false", "model.use_chat_template=false: image markers are written by the chat"),
     ],
 )

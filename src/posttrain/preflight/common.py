@@ -213,7 +213,10 @@ def check_engines_per_device(cfg: RunConfig, out: Findings) -> None:
             "applies to colocated engines; with grid.gpu_placement=disaggregated add rollout replicas instead",
         ),
         (ro.tensor_parallel_size > 1, "needs rollout.tensor_parallel_size=1 (each engine on one device)"),
-        (cfg.model.lora.enabled, "does not serve LoRA adapters yet: unset model.lora or set it to 1"),
+        (
+            cfg.model.lora.enabled,
+            "does not serve LoRA adapters yet: unset model.lora or set rollout.engines_per_device=1",
+        ),
         (
             getattr(cfg.rl, "routing_replay", "off") == "rollout",
             "does not return routed experts yet: set rl.routing_replay=off or rollout.engines_per_device=1",
