@@ -51,7 +51,7 @@ from posttrain.rollout.base import (
     check_generate_inputs,
     generation_stats,
 )
-from posttrain.rollout.state import EngineState
+from posttrain.rollout.state import EngineState, HoldsEngineState
 
 if TYPE_CHECKING:
     from posttrain.distributed.fsdp import PolicyWeights
@@ -199,7 +199,7 @@ class _HeadBuffer:
         self.logprobs_BTK[rows_A, step] = top.values
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(HoldsEngineState):
     """Samples completions with a transformers model; may share the policy's module (colocated)."""
 
     def __init__(
@@ -228,18 +228,7 @@ class HFRolloutEngine:
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.state = EngineState()
 
-    # -- state ---------------------------------------------------------------------------------
-    @property
-    def weight_version(self) -> int:
-        return self.state.weight_version
-
-    def state_dict(self) -> dict[str, int]:
-        """The sampling stream's position (saved in checkpoints so a resume draws the same samples)."""
-        return self.state.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.state.load_state_dict(state)
-
+    # -- shutdown ------------------------------------------------------------------------------
     def close(self) -> None:
         """Nothing to release: the engine holds no processes or pools."""
 

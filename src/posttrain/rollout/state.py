@@ -67,6 +67,24 @@ class EngineState:
         self.calls = int(state[CALLS_KEY])
 
 
+class HoldsEngineState:
+    """The ``RolloutEngine`` state methods of an engine whose ``state`` is its own ``EngineState``
+    (the transformers engine, the vLLM engine, a fleet of vLLM engines)."""
+
+    state: EngineState
+
+    @property
+    def weight_version(self) -> int:
+        return self.state.weight_version
+
+    def state_dict(self) -> dict[str, int]:
+        """The sampling stream's position (saved in checkpoints so a resume draws the same samples)."""
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.state.load_state_dict(state)
+
+
 def records_logprobs(params: SamplingParams, weight_version: int) -> bool:
     """Whether sampling with the weights of optimizer step ``weight_version`` records the sampler's
     logprobs: always when a top-k head is asked for, else when the version is a multiple of

@@ -46,7 +46,7 @@ import torch
 from posttrain.errors import ConfigError, PosttrainError, TrainingError
 from posttrain.models.moe import checkpoint_layout
 from posttrain.rollout.base import RolloutBatch, SamplingParams, check_generate_inputs, generation_stats
-from posttrain.rollout.state import RESUME_HINT, EngineState, records_logprobs
+from posttrain.rollout.state import RESUME_HINT, EngineState, HoldsEngineState, records_logprobs
 from posttrain.rollout.vllm_copy_plan import WeightWriter, checked_copy_plan
 from posttrain.rollout.vllm_images import (
     IMAGE_PAD,
@@ -90,7 +90,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger("posttrain.rollout")
 
 
-class VLLMRolloutEngine:
+class VLLMRolloutEngine(HoldsEngineState):
     """Samples completions with a vLLM ``LLM`` built from a Hugging Face model directory (its engine
     core in this process, or with ``separate_process`` in one of its own)."""
 
@@ -224,18 +224,7 @@ class VLLMRolloutEngine:
     def _engine_thread_count(self) -> Any:
         return engine_thread_count(self._engine_threads)
 
-    # -- state ---------------------------------------------------------------------------------
-    @property
-    def weight_version(self) -> int:
-        return self.state.weight_version
-
-    def state_dict(self) -> dict[str, int]:
-        """The sampling stream's position (saved in checkpoints so a resume draws the same samples)."""
-        return self.state.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.state.load_state_dict(state)
-
+    # -- shutdown ------------------------------------------------------------------------------
     def close(self) -> None:
         """Shut the engine core down and drop the model."""
         llm = getattr(self, "_llm", None)

@@ -24,13 +24,13 @@ once every member holds it, and a failure in any member poisons the fleet.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from posttrain.errors import TrainingError
 from posttrain.rollout.base import RolloutBatch, SamplingParams, check_generate_inputs, generation_stats
-from posttrain.rollout.state import CALLS_KEY, RESUME_HINT, EngineState
+from posttrain.rollout.state import CALLS_KEY, RESUME_HINT, EngineState, HoldsEngineState
 
 if TYPE_CHECKING:
     from posttrain.distributed.fsdp import PolicyWeights
@@ -53,7 +53,7 @@ def split_prompts(count: int, parts: int) -> list[range]:
     return runs
 
 
-class VLLMEngineFleet:
+class VLLMEngineFleet(HoldsEngineState):
     """N ``VLLMRolloutEngine``s on one device behind the ``RolloutEngine`` protocol (``ResumableEngine``:
     the fleet's call counter is what a checkpoint stores)."""
 
@@ -87,18 +87,7 @@ class VLLMEngineFleet:
             raise first
         return [f.result() for f in futures]
 
-    # -- state ---------------------------------------------------------------------------------
-    @property
-    def weight_version(self) -> int:
-        return self.state.weight_version
-
-    def state_dict(self) -> dict[str, int]:
-        """The sampling stream's position: the fleet's call counter (the members follow it)."""
-        return self.state.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.state.load_state_dict(state)
-
+    # -- shutdown ------------------------------------------------------------------------------
     def close(self) -> None:
         """Shut every member down (each its engine process)."""
         pool = getattr(self, "_pool", None)
