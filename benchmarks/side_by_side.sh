@@ -113,7 +113,8 @@
 #   split28 W's generation split over 1 and 2 vLLM engines in their own processes on the one GPU
 #          (benchmarks/vllm_split_engines.py): do two schedulers beat one host-bound one? (vLLM kit)
 #   fleet29 W in whole steps as shipped (one in-process engine) against rollout.engines_per_device=2 (two
-#          engine processes, rollout/vllm_fleet.py), then one-step off-policy W with two engines (vLLM kit)
+#          engine processes, rollout/vllm_fleet.py), then one-step off-policy W with two engines, then the
+#          fleet's GPU test (tests/gpu/test_vllm_fleet_gpu.py; vLLM kit)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -859,6 +860,8 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     pack
     step w_fleet29_off 240 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
       --engines 2 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_fleet29_off.json"
+    pack
+    gpu_test_files fleet_gpu 150 tests/gpu/test_vllm_fleet_gpu.py -s
     pack ;;
   mb28)
     # norm28's W update was as fast with either RMSNorm although the GPU's work fell by 24 ms: its wall time

@@ -86,8 +86,9 @@ class RolloutConfig(Section):
     """vLLM: engines sharing the device, each with its engine core in a process of its own (needs
     ``separate_engine_process=true``); each call's prompts are split between them and each engine gets
     ``gpu_memory_utilization / N``, so their host-bound decode scheduling runs in parallel (W's generation,
-    bare vLLM on an H100: 0.90 s in 2 engines, 1.26-1.40 s in 1, 1.46 s in 4). The draws do not depend on
-    N: each prompt is seeded by its place in the whole call. Plain text policies (no LoRA, images, routing)."""
+    bare vLLM on an H100: 0.90 s in 2 engines, 1.26-1.40 s in 1, 1.46 s in 4). Each prompt is seeded by its
+    place in the whole call, so the seeds do not depend on N (on the CPU neither do the draws; a GPU's kernels
+    may round differently per batch size). Plain text policies (no LoRA, images, routing)."""
     enable_sleep_mode: bool = False
     """vLLM on a GPU: put the engine to sleep while the policy trains (its weights and KV cache leave
     GPU memory) and wake it for the next generation; ignored on CPU (docs/vllm.md)."""

@@ -12,9 +12,11 @@ its prompts into N contiguous runs (sizes differing by at most one, ``split_prom
 samples its run in a thread of this process, which mostly waits on the member's engine process
 (with every engine core apart, nothing process-wide here, such as torch's thread count, changes).
 Each prompt's request seed is keyed on its index in the whole call (``first_prompt``) and every
-member samples as call ``i`` of the fleet's counter, so the batch, put back in prompt order, is
-what one engine with its core in a separate process draws for the same call: the number of
-engines changes neither the samples nor what a checkpoint stores (the call counter).
+member samples as call ``i`` of the fleet's counter, so the seeds, and what a checkpoint stores
+(the call counter), do not depend on the number of engines. On the CPU the batch, put back in
+prompt order, is exactly what one engine draws for the same call; on a GPU the kernels may round a
+logit differently at another batch size, so a token can differ there (a replay with the same N and
+the same prompts draws the same batch).
 
 Weights: gathered once (``PolicyWeights.full_state_dict``, a collective when sharded) and written
 into every member at once (each through its own shared buffer); the fleet stamps the version only

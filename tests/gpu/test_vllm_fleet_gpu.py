@@ -1,0 +1,93 @@
+"""Two vLLM engines on one CUDA GPU as one rollout engine (``rollout.engines_per_device=2``,
+``rollout/vllm_fleet.py``), bf16: the trainer's fp32 master weights reach both engines' workers (each
+through its own CUDA IPC buffer), both then sample with exactly those weights, and a restored call
+counter replays a call. On the CPU the fleet draws exactly what one engine draws
+(tests/integration/test_vllm_fleet.py); on a GPU the kernels may round differently per batch size,
+so that comparison is reported here, not asserted.
+
+A file of its own because vLLM decides where an engine core runs once per process (docs/vllm.md):
+run it in a pytest process of its own on the device machine (``benchmarks/side_by_side.sh fleet29``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from posttrain.distributed.fsdp import PolicyWeights
+from posttrain.errors import PosttrainError
+from posttrain.models.chat import render_prompt_ids
+from posttrain.models.loading import resolve_model_path
+from posttrain.rollout.base import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+MODEL = os.environ.get("POSTTRAIN_GPU_TEST_MODEL", "embedded:smollm2-135m-instruct")
+MEAN_GAP_TOL = 0.1  # bf16 engine against bf16 trainer, different kernels (tests/gpu/test_vllm_gpu.py)
+
+
+def test_two_engines_take_the_weights_and_replay_a_call(trainer_logprobs) -> None:
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tests need a CUDA device")
+    pytest.importorskip("vllm", reason="vLLM is not installed (see docs/vllm.md)")
+    try:
+        model_dir = resolve_model_path(MODEL)
+    except PosttrainError as err:
+        pytest.skip(f"{MODEL} is not available here: {err}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine
+    from posttrain.rollout.vllm_fleet import VLLMEngineFleet
+    from posttrain.rollout.vllm_runtime import engine_core_is_separate
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pairs = [(3, 4), (12, 9), (17, 5), (8, 8), (21, 13)]
+    prompts = [
+        render_prompt_ids(tokenizer, f"What is {a} + {b}? Reply with the number.", use_chat_template=True)
+        for a, b in pairs
+    ]
+    masters = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+
+    def member(share: float) -> VLLMRolloutEngine:
+        return VLLMRolloutEngine(
+            model_dir, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=share, max_model_len=1024,
+            seed=0, separate_process=True,
+        )  # fmt: skip
+
+    fleet = VLLMEngineFleet(member, 2, 0.3)
+    try:
+        assert all(engine_core_is_separate(m._llm) for m in fleet.members)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in masters.parameters():
+                p.add_(1e-2 * torch.randn_like(p))
+        for version in (1, 2):  # the loaders at the first sync, the copy plan from the second
+            fleet.receive_weights(PolicyWeights(masters), version=version)
+        params = SamplingParams(max_tokens=24, seed=5)
+        fleet.load_state_dict({"generate_calls": 3})
+        batch = fleet.generate(prompts, 4, params)
+        assert batch.weight_version == 2 and [c.prompt_index for c in batch.completions] == [
+            p for p in range(5) for _ in range(4)
+        ]
+        engine_lp = torch.cat([torch.tensor(c.logprobs) for c in batch.completions])
+        trained = masters.to(torch.bfloat16)
+        new = torch.tensor([lp for row in trainer_logprobs(trained, batch, pad_id) for lp in row])
+        old = torch.tensor([lp for row in trainer_logprobs(base, batch, pad_id) for lp in row])
+        gaps, moved = (engine_lp - new).abs(), (new - old).abs()
+        assert float(gaps.mean()) < MEAN_GAP_TOL, (float(gaps.mean()), float(moved.mean()))
+        assert float(moved.mean()) > 4 * float(gaps.mean()), (float(gaps.mean()), float(moved.mean()))
+        fleet.load_state_dict({"generate_calls": 3})
+        again = fleet.generate(prompts, 4, params)
+        assert [c.token_ids for c in again.completions] == [c.token_ids for c in batch.completions]
+        # one engine given every prompt at the same call: reported (batch-size rounding may differ on a GPU)
+        alone = fleet.members[0]
+        alone.load_state_dict({"generate_calls": 3})
+        one = alone.generate(prompts, 4, params)
+        same = sum(a.token_ids == b.token_ids for a, b in zip(one.completions, batch.completions))
+        print(f"fleet vs one engine: {same} of {len(batch.completions)} completions identical")
+    finally:
+        fleet.close()
