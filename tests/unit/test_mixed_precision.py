@@ -22,7 +22,7 @@ from posttrain.policy.train_batch import TrainBatch
 from posttrain.policy.trainer import PolicyTrainer, build_reference
 from posttrain.rollout.base import SamplingParams
 from posttrain.rollout.factory import build_hf_engine, policy_precision, vllm_dtype
-from posttrain.rollout.vllm_engine import _as_engine_dtype, _engine_args
+from posttrain.rollout.vllm_engine import _engine_args, as_engine_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
 G = 4
@@ -178,12 +178,12 @@ def test_a_vllm_teacher_on_cuda_takes_the_rollout_engines_attention_backend(
 
 def test_weights_are_cast_to_the_engine_dtype_on_sync() -> None:
     master = torch.randn(4, 3)
-    sent = _as_engine_dtype(master, torch.bfloat16)
+    sent = as_engine_dtype(master, torch.bfloat16)
     assert sent.dtype == torch.bfloat16 and torch.equal(sent, master.to(torch.bfloat16))
     ids = torch.arange(3)
-    assert _as_engine_dtype(ids, torch.bfloat16) is ids  # integer buffers are not weights
-    assert _as_engine_dtype(master, None) is master  # dtype=auto: vLLM's loaders cast on copy
-    assert _as_engine_dtype(sent, torch.bfloat16) is sent
+    assert as_engine_dtype(ids, torch.bfloat16) is ids  # integer buffers are not weights
+    assert as_engine_dtype(master, None) is master  # dtype=auto: vLLM's loaders cast on copy
+    assert as_engine_dtype(sent, torch.bfloat16) is sent
 
 
 def test_hf_engine_samples_with_the_training_weights(tiny_model_dir: str) -> None:

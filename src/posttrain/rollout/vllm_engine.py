@@ -344,7 +344,7 @@ class VLLMRolloutEngine(HoldsEngineState):
         self._commit(version)
 
     def _cast(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        return [(name, _as_engine_dtype(tensor, self.weight_dtype)) for name, tensor in named]
+        return [(name, as_engine_dtype(tensor, self.weight_dtype)) for name, tensor in named]
 
     def _reload(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         """vLLM's own reload (``reload_weights``, checkpoint format), and the MoE repack it skips on CPU."""
@@ -447,7 +447,7 @@ class VLLMRolloutEngine(HoldsEngineState):
         return RolloutBatch([list(p) for p in prompt_token_ids], completions, self.weight_version, stats)
 
 
-def _as_engine_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def as_engine_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """A floating tensor in the engine's dtype (fp32 master weights -> the bf16 engine); others as they are."""
     if dtype is None or not tensor.is_floating_point() or tensor.dtype == dtype:
         return tensor

@@ -18,9 +18,9 @@ prompt order, is exactly what one engine draws for the same call; on a GPU the k
 logit differently at another batch size, so a token can differ there (a replay with the same N and
 the same prompts draws the same batch).
 
-Weights: gathered once (``PolicyWeights.full_state_dict``, a collective when sharded) and written
-into every member at once (each through its own shared buffer); the fleet stamps the version only
-once every member holds it, and a failure in any member poisons the fleet.
+Weights: gathered once (``PolicyWeights.full_state_dict``, a collective when sharded), cast once to
+the engines' dtype, and written into every member at once (each through its own shared buffer); the
+fleet stamps the version only once every member holds it, and a failure in any member poisons the fleet.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from posttrain.errors import TrainingError
 from posttrain.rollout.base import RolloutBatch, SamplingParams, check_generate_inputs, generation_stats
 from posttrain.rollout.state import CALLS_KEY, RESUME_HINT, EngineState, HoldsEngineState
+from posttrain.rollout.vllm_engine import as_engine_dtype
 
 if TYPE_CHECKING:
     from posttrain.distributed.fsdp import PolicyWeights
@@ -108,7 +109,9 @@ class VLLMEngineFleet(HoldsEngineState):
             self.last_sync_s = 0.0
             return
         start = time.perf_counter()
-        full = weights.full_state_dict()
+        # cast once for every member (fp32 master weights -> the engines' bf16): their own cast then passes
+        dtype = self.members[0].weight_dtype
+        full = {name: as_engine_dtype(tensor, dtype) for name, tensor in weights.full_state_dict().items()}
         try:
             self._each(lambda _i, member: member.load_weights(full, version))
         except Exception as err:
@@ -137,21 +140,15 @@ class VLLMEngineFleet(HoldsEngineState):
         runs = split_prompts(len(prompt_token_ids), len(self.members))
 
         def sample(i: int, member: VLLMRolloutEngine) -> RolloutBatch | None:
-            member.load_state_dict({CALLS_KEY: call_index})
             run = runs[i]
-            if not run:  # fewer prompts than engines: this one's stream still moves with the fleet's
-                member.state.next_call()
+            if not run:  # fewer prompts than engines (its counter is set again before its next call)
                 return None
+            member.load_state_dict({CALLS_KEY: call_index})
             ids = prompt_token_ids[run.start : run.stop]
             return member.generate(ids, n, params, banned_token_ids=banned_token_ids, first_prompt=run.start)
 
         start = time.perf_counter()
-        try:
-            parts = self._each(sample)
-        except Exception:
-            if any(m.state.poisoned for m in self.members):
-                raise self.state.poison("an engine of the fleet became unusable while sampling") from None
-            raise
+        parts = self._each(sample)
         gen_s = time.perf_counter() - start
         completions = []
         for run, part in zip(runs, parts):
