@@ -11,31 +11,18 @@ run it in a pytest process of its own on the device machine (``benchmarks/side_b
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from engine_weights import assert_samples_with, gpu_model_dir, moved, sum_prompts
 
 from posttrain.distributed.fsdp import PolicyWeights
-from posttrain.errors import PosttrainError
-from posttrain.models.chat import render_prompt_ids
-from posttrain.models.loading import resolve_model_path
 from posttrain.rollout.base import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-MODEL = os.environ.get("POSTTRAIN_GPU_TEST_MODEL", "embedded:smollm2-135m-instruct")
-MEAN_GAP_TOL = 0.1  # bf16 engine against bf16 trainer, different kernels (tests/gpu/test_vllm_gpu.py)
-
 
 def test_two_engines_take_the_weights_and_replay_a_call(trainer_logprobs) -> None:
-    if not torch.cuda.is_available():
-        pytest.fail("the gpu tests need a CUDA device")
-    pytest.importorskip("vllm", reason="vLLM is not installed (see docs/vllm.md)")
-    try:
-        model_dir = resolve_model_path(MODEL)
-    except PosttrainError as err:
-        pytest.skip(f"{MODEL} is not available here: {err}")
+    model_dir = gpu_model_dir()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from posttrain.rollout.vllm_engine import VLLMRolloutEngine
@@ -44,11 +31,7 @@ def test_two_engines_take_the_weights_and_replay_a_call(trainer_logprobs) -> Non
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    pairs = [(3, 4), (12, 9), (17, 5), (8, 8), (21, 13)]
-    prompts = [
-        render_prompt_ids(tokenizer, f"What is {a} + {b}? Reply with the number.", use_chat_template=True)
-        for a, b in pairs
-    ]
+    prompts = sum_prompts(tokenizer, 5)
     masters = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
 
@@ -61,10 +44,7 @@ def test_two_engines_take_the_weights_and_replay_a_call(trainer_logprobs) -> Non
     fleet = VLLMEngineFleet(member, 2, 0.3)
     try:
         assert all(engine_core_is_separate(m._llm) for m in fleet.members)
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for p in masters.parameters():
-                p.add_(1e-2 * torch.randn_like(p))
+        moved(masters)
         for version in (1, 2):  # the loaders at the first sync, the copy plan from the second
             fleet.receive_weights(PolicyWeights(masters), version=version)
         params = SamplingParams(max_tokens=24, seed=5)
@@ -73,13 +53,7 @@ def test_two_engines_take_the_weights_and_replay_a_call(trainer_logprobs) -> Non
         assert batch.weight_version == 2 and [c.prompt_index for c in batch.completions] == [
             p for p in range(5) for _ in range(4)
         ]
-        engine_lp = torch.cat([torch.tensor(c.logprobs) for c in batch.completions])
-        trained = masters.to(torch.bfloat16)
-        new = torch.tensor([lp for row in trainer_logprobs(trained, batch, pad_id) for lp in row])
-        old = torch.tensor([lp for row in trainer_logprobs(base, batch, pad_id) for lp in row])
-        gaps, moved = (engine_lp - new).abs(), (new - old).abs()
-        assert float(gaps.mean()) < MEAN_GAP_TOL, (float(gaps.mean()), float(moved.mean()))
-        assert float(moved.mean()) > 4 * float(gaps.mean()), (float(gaps.mean()), float(moved.mean()))
+        assert_samples_with(batch, masters.to(torch.bfloat16), base, pad_id, trainer_logprobs)
         fleet.load_state_dict({"generate_calls": 3})
         again = fleet.generate(prompts, 4, params)
         assert [c.token_ids for c in again.completions] == [c.token_ids for c in batch.completions]
