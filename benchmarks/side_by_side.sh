@@ -112,11 +112,9 @@
 #          RMSNorm kernels' GPU tests and the fused kernels' again (after norm28 on the same machine); no vLLM kit
 #   split28 W's generation split over 1 and 2 vLLM engines in their own processes on the one GPU
 #          (benchmarks/vllm_split_engines.py): do two schedulers beat one host-bound one? (vLLM kit)
-#   fleet29 W in whole steps as shipped (one in-process engine) against rollout.engines_per_device=2 (two
-#          engine processes, rollout/vllm_fleet.py), then one-step off-policy W with two engines, then the
-#          fleet's GPU test (tests/gpu/test_vllm_fleet_gpu.py; vLLM kit)
-#   fleet30a, fleet30b  fleet29 in two calls (W one engine, W two engines; off-policy W two engines, the
-#          fleet's and the engine-apart GPU tests); tests30 the RMSNorm kernels', CUDA graphs' and fused
+#   fleet30a W in whole steps as shipped (one in-process engine) against rollout.engines_per_device=2 (two
+#          engine processes, rollout/vllm_fleet.py); fleet30b one-step off-policy W with two engines, then the
+#          fleet's and the engine-apart GPU tests (tests/gpu/test_vllm_fleet_gpu.py; vLLM kit); tests30 the RMSNorm kernels', CUDA graphs' and fused
 #          kernels' GPU tests (vLLM kit in place); fleet30c fleet30a's arms again in the other order. The
 #          fleet's and the engine-apart GPU tests load the embedded SmolLM2: a kit built without gguf and the
 #          GGUF (as the thirtieth session's was) skips them; that session carried the GGUF in three 33 MiB
@@ -248,6 +246,13 @@ head24_tests() {  # TIMEOUT: the Triton head's GPU tests, the fused kernels' (th
   # polluted) and the padded body forward's no-sync check, into $R/tests/head24a_gpu.log
   gpu_test_files head24a_gpu "$1" tests/gpu/test_logprob_head_gpu.py tests/gpu/test_fused_kernels_gpu.py \
     tests/gpu/test_gpu_smoke.py::test_the_body_forward_of_padded_rows_makes_no_host_sync
+}
+w_engines() {  # NAME TIMEOUT N: W in whole steps on N vLLM engines (1: in the trainer's process; more: each
+  # engine core in a process of its own, rollout.engines_per_device=N), then everything packed
+  local name=$1 limit=$2 n=$3 apart=()
+  [ "$n" -gt 1 ] && apart=(--separate-engine-process --engines "$n")
+  step "$name" "$limit" --model /tmp/m05 --micro-batch 64 --steps 6 "${apart[@]}" --out "$R/$name.json"
+  pack
 }
 offpolicy_w() {  # one-step off-policy W with the engine core apart and compiled layers (offp26, offp27)
   environment
@@ -853,34 +858,15 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
       --out "$R/split28/split.json" >"$R/split28/split.log" 2>&1
     echo "split28 rc=$?"; grep -E "RESULT|Error|exited" "$R/split28/split.log" | cut -c1-400
     pack ;;
-  fleet29)
-    # split28's two bare engine processes (0.90 s against 1.26-1.40 s for W's generation) as posttrain runs
-    # them: W in whole steps as shipped, then the same with two engines (each core in its own process,
-    # the prompts split, 0.15 of the GPU each), then one-step off-policy W with two engines
-    environment
-    device_info
-    model 0.5b /tmp/m05
-    step w_fleet29_one 240 --model /tmp/m05 --micro-batch 64 --steps 6 --out "$R/w_fleet29_one.json"
-    pack
-    step w_fleet29_two 240 --model /tmp/m05 --micro-batch 64 --steps 6 --separate-engine-process --engines 2 \
-      --out "$R/w_fleet29_two.json"
-    pack
-    step w_fleet29_off 240 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
-      --engines 2 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_fleet29_off.json"
-    pack
-    gpu_test_files fleet_gpu 150 tests/gpu/test_vllm_fleet_gpu.py -s
-    pack ;;
   fleet30a)
-    # fleet29 in calls that fit the device's 10 minutes: W as shipped (one in-process engine), then with
-    # rollout.engines_per_device=2, then one engine apart alone (the separate process without the split)
+    # W as shipped (one in-process engine), then with rollout.engines_per_device=2 (each engine core in its
+    # own process, the prompts split, 0.15 of the GPU each); fleet30b, fleet30c after it (the device's calls
+    # stop at 10 minutes: twenty-ninth session's fleet29 was these three in one call)
     environment
     device_info
     model 0.5b /tmp/m05
-    step w_fleet30_one 200 --model /tmp/m05 --micro-batch 64 --steps 6 --out "$R/w_fleet30_one.json"
-    pack
-    step w_fleet30_two 260 --model /tmp/m05 --micro-batch 64 --steps 6 --separate-engine-process --engines 2 \
-      --out "$R/w_fleet30_two.json"
-    pack ;;
+    w_engines w_fleet30_one 200 1
+    w_engines w_fleet30_two 260 2 ;;
   fleet30b)
     # one-step off-policy W with two engines, then the GPU tests of the engines apart (after fleet30a)
     environment
@@ -894,11 +880,8 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     # fleet30a's two arms again in the other order, on the same machine (a second pair)
     environment
     model 0.5b /tmp/m05
-    step w_fleet30c_two 200 --model /tmp/m05 --micro-batch 64 --steps 6 --separate-engine-process --engines 2 \
-      --out "$R/w_fleet30c_two.json"
-    pack
-    step w_fleet30c_one 160 --model /tmp/m05 --micro-batch 64 --steps 6 --out "$R/w_fleet30c_one.json"
-    pack ;;
+    w_engines w_fleet30c_two 200 2
+    w_engines w_fleet30c_one 160 1 ;;
   tests30)
     # the GPU test files no lease has run since they changed: the row-tiled RMSNorm kernels, the CUDA
     # graphs (with those kernels in the graphed body), the fused kernels (after fleet30b, kit in place)
