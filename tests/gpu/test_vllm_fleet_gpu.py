@@ -7,8 +7,9 @@ so that comparison is reported here, not asserted.
 
 A file of its own because vLLM decides where an engine core runs once per process (docs/vllm.md):
 run it in a pytest process of its own on the device machine (``benchmarks/side_by_side.sh fleet30b``). It
-loads the embedded SmolLM2: on W's random 0.4B model a replayed call's draws differ (a nearly flat next-token
-distribution flips on a logit rounded differently when the prompts hit the prefix cache; thirtieth session).
+loads the embedded SmolLM2: on W's random 0.4B model a replayed call's draws differed (a nearly flat next-token
+distribution flips on a logit rounded differently, most likely where the replayed prompts hit the prefix
+cache; thirtieth session).
 """
 
 from __future__ import annotations
