@@ -137,6 +137,7 @@ def build_llm(vllm: Any, **engine_args: Any) -> tuple[Any, int]:
     vLLM's own count is applied only while it runs (:func:`engine_thread_count`). That matters: on 2
     cores SmolLM2-135M sampled 58 tokens/s with vLLM's one thread and 22-25 with two.
     """
+    refuse_while_importing_main()
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     complete_expert_group()
     try:
@@ -145,6 +146,26 @@ def build_llm(vllm: Any, **engine_args: Any) -> tuple[Any, int]:
     finally:
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
+
+
+def refuse_while_importing_main() -> None:
+    """Refuse to start an engine in a spawned process that is still importing its parent's script.
+
+    An engine core in a process of its own (``rollout.separate_engine_process=true``,
+    ``rollout.engines_per_device`` > 1) is a spawned process, and a spawned process starts by importing
+    the script that started its parent. A script that builds an engine at its top level, not under
+    ``if __name__ == "__main__":``, would build one again there; Python's own refusal comes later, as a
+    long traceback about a "bootstrapping phase" under vLLM's "Engine core initialization failed".
+    ``_inheriting`` is the flag multiprocessing sets on the process while it imports that script (and
+    reads for its own refusal), so a process started some other way is never refused."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise PosttrainError(
+            "a vLLM engine was started while a spawned process (an engine core of its own, with "
+            "rollout.separate_engine_process=true or rollout.engines_per_device > 1) imported the script that "
+            'started its parent: put that script\'s top-level code under `if __name__ == "__main__":`'
+        )
 
 
 def complete_expert_group() -> None:
