@@ -1,11 +1,13 @@
-"""What the GPU tests of vLLM engines whose cores run apart from the trainer share
-(``test_engine_apart_gpu.py``, ``test_vllm_fleet_gpu.py``): the model they run, its prompts, the
-trainer's weights moved off the checkpoint, and the check that an engine samples with them."""
+"""What the GPU tests of vLLM engines share: the model they run and the logprob gap allowed between
+engine and trainer (``test_vllm_gpu.py`` too), and for the engines whose cores run apart from the trainer
+(``test_engine_apart_gpu.py``, ``test_vllm_fleet_gpu.py``) the prompts, the trainer's side, its weights
+moved off the checkpoint, and the check that an engine samples with them."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -16,7 +18,9 @@ from posttrain.models.chat import render_prompt_ids
 from posttrain.models.loading import resolve_model_path
 
 MODEL = os.environ.get("POSTTRAIN_GPU_TEST_MODEL", "embedded:smollm2-135m-instruct")
-MEAN_GAP_TOL = 0.1  # bf16 engine against bf16 trainer, different kernels (tests/gpu/test_vllm_gpu.py)
+# bf16 on both sides, different kernels (vLLM's FlashAttention and fused layers against transformers'
+# SDPA): the sampled tokens' logprobs agree to about 1e-2 nats on average; single tokens deviate more.
+MEAN_GAP_TOL = 0.1
 PAIRS = [(3, 4), (12, 9), (17, 5), (8, 8), (21, 13)]
 
 
@@ -36,6 +40,28 @@ def sum_prompts(tokenizer: Any, count: int) -> list[list[int]]:
     """``count`` chat prompts asking for a sum (at most ``len(PAIRS)``)."""
     texts = [f"What is {a} + {b}? Reply with only the number." for a, b in PAIRS[:count]]
     return [render_prompt_ids(tokenizer, t, use_chat_template=True) for t in texts]
+
+
+@dataclass(frozen=True)
+class TrainerSide:
+    """The trainer's side of an engine test: prompts, the pad id, fp32 master weights and the bf16
+    checkpoint weights the engine starts with."""
+
+    prompts: list[list[int]]
+    pad_id: int
+    masters: torch.nn.Module
+    base: torch.nn.Module
+
+
+def trainer_side(model_dir: str, prompt_count: int, device: str = "cuda") -> TrainerSide:
+    """``prompt_count`` sum prompts and the model of ``model_dir`` twice on ``device``: fp32 masters, bf16 base."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    masters = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    return TrainerSide(sum_prompts(tokenizer, prompt_count), pad_id, masters, base)
 
 
 def moved(masters: torch.nn.Module) -> torch.nn.Module:

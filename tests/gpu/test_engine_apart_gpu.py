@@ -14,7 +14,7 @@ import logging
 
 import pytest
 import torch
-from engine_weights import assert_samples_with, gpu_model_dir, moved, sum_prompts
+from engine_weights import assert_samples_with, gpu_model_dir, moved, trainer_side
 
 from posttrain.rollout.base import SamplingParams
 
@@ -25,15 +25,10 @@ def test_an_engine_apart_takes_the_weights_by_the_loaders_then_by_one_copy(
     caplog: pytest.LogCaptureFixture, trainer_logprobs
 ) -> None:
     model_dir = gpu_model_dir()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from posttrain.rollout.vllm_engine import VLLMRolloutEngine
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompts = sum_prompts(tokenizer, 3)
-    masters = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    side = trainer_side(model_dir, 3)
+    masters = side.masters
     engine = VLLMRolloutEngine(
         model_dir, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.25, max_model_len=1024, seed=0,
         separate_process=True,
@@ -45,8 +40,8 @@ def test_an_engine_apart_takes_the_weights_by_the_loaders_then_by_one_copy(
         assert "one foreach copy of" in caplog.text and "in the engine's process from now on" in caplog.text
         engine.load_weights(moved(masters).state_dict(), version=2)
         assert engine._shared.last_paths == ["plan"]
-        batch = engine.generate(prompts, 4, SamplingParams(max_tokens=24, seed=5))
+        batch = engine.generate(side.prompts, 4, SamplingParams(max_tokens=24, seed=5))
         assert batch.weight_version == 2
-        assert_samples_with(batch, masters.to(torch.bfloat16), base, pad_id, trainer_logprobs)
+        assert_samples_with(batch, masters.to(torch.bfloat16), side.base, side.pad_id, trainer_logprobs)
     finally:
         engine.close()

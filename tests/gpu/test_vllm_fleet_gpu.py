@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_weights import assert_samples_with, gpu_model_dir, moved, sum_prompts
+from engine_weights import assert_samples_with, gpu_model_dir, moved, trainer_side
 
 from posttrain.distributed.fsdp import PolicyWeights
 from posttrain.rollout.base import SamplingParams
@@ -26,17 +26,12 @@ pytestmark = pytest.mark.gpu
 
 def test_two_engines_take_the_weights_and_replay_a_call(trainer_logprobs) -> None:
     model_dir = gpu_model_dir()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from posttrain.rollout.vllm_engine import VLLMRolloutEngine
     from posttrain.rollout.vllm_fleet import VLLMEngineFleet
     from posttrain.rollout.vllm_runtime import engine_core_is_separate
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompts = sum_prompts(tokenizer, 5)
-    masters = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    side = trainer_side(model_dir, 5)
+    prompts, masters = side.prompts, side.masters
 
     def member(share: float) -> VLLMRolloutEngine:
         return VLLMRolloutEngine(
@@ -56,7 +51,7 @@ def test_two_engines_take_the_weights_and_replay_a_call(trainer_logprobs) -> Non
         assert batch.weight_version == 2 and [c.prompt_index for c in batch.completions] == [
             p for p in range(5) for _ in range(4)
         ]
-        assert_samples_with(batch, masters.to(torch.bfloat16), base, pad_id, trainer_logprobs)
+        assert_samples_with(batch, masters.to(torch.bfloat16), side.base, side.pad_id, trainer_logprobs)
         fleet.load_state_dict({"generate_calls": 3})
         again = fleet.generate(prompts, 4, params)
         assert [c.token_ids for c in again.completions] == [c.token_ids for c in batch.completions]
