@@ -60,24 +60,17 @@ def main() -> None:
     )
     members = engines.members if isinstance(engines, VLLMEngineFleet) else [engines]
     start_s = time.perf_counter() - start
-    cast_to = members[0].weight_dtype
-
-    def moved_weights() -> dict[str, torch.Tensor]:
-        with torch.no_grad():
-            for p in policy.parameters():
-                p.mul_(1.0 + 1e-3)
-        state = PolicyWeights(policy).full_state_dict()
-        return {name: as_engine_dtype(tensor, cast_to) for name, tensor in state.items()}
 
     def sync(version: int, together: bool) -> dict[str, object]:
-        weights = moved_weights()
+        with torch.no_grad():  # moved a little, so every sync writes new values
+            for p in policy.parameters():
+                p.mul_(1.0 + 1e-3)
         begin = time.perf_counter()
-        if together and len(members) > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(len(members)) as pool:
-                list(pool.map(lambda m: m.load_weights(weights, version), members))
-        else:
+        if together:  # the run's own path: the fleet's (or the one engine's) receive_weights
+            engines.receive_weights(PolicyWeights(policy), version)
+        else:  # the fleet's gather and cast, then one member after another
+            state = PolicyWeights(policy).full_state_dict()
+            weights = {name: as_engine_dtype(tensor, members[0].weight_dtype) for name, tensor in state.items()}
             for m in members:
                 m.load_weights(weights, version)
         return {
