@@ -1,6 +1,7 @@
 """Where the first weight sync of engines apart goes.
 
-    python benchmarks/fleet_first_sync.py --model /tmp/m05 --first together|alone [--engines 2] [--out r.json]
+    python benchmarks/fleet_first_sync.py --model /tmp/m05 --first together|alone [--engines 2] [--fragment-gib G]
+        [--out r.json]
 
 On one H100 (thirtieth session, docs/benchmarks.md) the first weight sync of W's two engines
 (``rollout.engines_per_device=2``) took 3.44-3.76 s, where one engine apart's took 0.11-0.33 s in earlier
@@ -32,6 +33,11 @@ def main() -> None:
     parser.add_argument("--first", choices=("together", "alone"), default="together")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--enforce-eager", action="store_true", help="skip vLLM's CUDA graphs (faster start)")
+    parser.add_argument(
+        "--fragment-gib", type=float, default=0.0,
+        help="allocate and free this many GiB on the device before the first sync, as an update leaves the caching "
+        "allocator (the shared buffer then lands inside a large cached segment, which the worker maps whole)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -78,7 +84,12 @@ def main() -> None:
             "together": together,
             "wall_s": round(time.perf_counter() - begin, 4),
             "each_s": [round(m.last_sync_s, 4) for m in members],
+            "phases": [{k: round(v, 4) for k, v in m.last_sync_phases.items()} for m in members],
         }
+
+    if args.fragment_gib and cuda:
+        del_me = torch.empty(int(args.fragment_gib * 2**30), dtype=torch.uint8, device=device)
+        del del_me  # stays in torch's cache, as an update's activations do
 
     syncs = [sync(1, args.first == "together"), sync(2, True), sync(3, True)]
     engines.close()
@@ -88,6 +99,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "params": sum(p.numel() for p in policy.parameters()),
         "start_s": round(start_s, 2),
+        "fragment_gib": args.fragment_gib,
         "syncs": syncs,
     }
     print("RESULT " + json.dumps(result), flush=True)

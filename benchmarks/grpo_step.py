@@ -409,6 +409,10 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
             "logprob_gap_mean": metrics.get("train/logprob_gap_mean", float("nan")),
             "logprob_gap_max": metrics.get("train/logprob_gap_max", float("nan")),
         }
+        # an engine core apart's sync by phase (mapping the buffer, the copy, the worker's write), per engine
+        members = getattr(engine, "members", [engine])
+        if any(getattr(m, "last_sync_phases", None) for m in members):
+            row["sync_phases"] = [{k: round(v, 4) for k, v in m.last_sync_phases.items()} for m in members]
         rows.append(row)
         print(
             f"step {step}: {step_s:.2f}s | gen {gen_s:.2f}s ({row['gen_tokens_per_s']:.0f} tok/s, {gen_tokens} tok) | "
@@ -418,8 +422,10 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
             f"{row['logprob_gap_mean']:.4f} max {row['logprob_gap_max']:.3f}",
             flush=True,
         )
+        if "sync_phases" in row and step <= 2:
+            print(f"step {step} sync phases: {row['sync_phases']}", flush=True)
     later = rows[1:] or rows
-    summary = {k: statistics.median(r[k] for r in later) for k in rows[0] if k != "step"}
+    summary = {k: statistics.median(r[k] for r in later) for k, v in rows[0].items() if isinstance(v, float | int)}
     result = {
         "arm": name,
         "engine": args.engine,

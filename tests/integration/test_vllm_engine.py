@@ -353,7 +353,7 @@ def test_separate_engine_process_takes_weights_through_shared_memory(
         model = _trainer_model(vllm_model_dir)
         first = eng.generate(prompts, 2, SamplingParams(max_tokens=6, seed=4))
         _assert_logprobs_match(first, trainer_logprobs(model, first, tokenizer.pad_token_id))
-        buffers = []
+        buffers, attach_s = [], []
         previous = _trainer_model(vllm_model_dir)
         for version in (1, 2):
             previous.load_state_dict(model.state_dict())
@@ -363,12 +363,17 @@ def test_separate_engine_process_takes_weights_through_shared_memory(
             eng.receive_weights(PolicyWeights(model), version=version)
             assert eng._shared is not None and eng._shared.buffer is not None
             buffers.append(eng._shared.buffer)
+            phases = eng.last_sync_phases  # where the sync's time went: only the first maps the buffer
+            assert set(phases) == {"attach_s", "copy_s", "worker_s"} and phases["worker_s"] > 0
+            assert sum(phases.values()) <= eng.last_sync_s
+            attach_s.append(phases["attach_s"])
             after = eng.generate(prompts, 2, SamplingParams(max_tokens=6, seed=4 + version))
             assert after.weight_version == version
             _assert_logprobs_match(after, trainer_logprobs(model, after, tokenizer.pad_token_id))
             stale = trainer_logprobs(previous, after, tokenizer.pad_token_id)
             assert max(abs(a - b) for c, ref in zip(after.completions, stale) for a, b in zip(c.logprobs, ref)) > 1e-2
         assert buffers[0] is buffers[1]  # mapped once, refilled in place
+        assert attach_s[1] < attach_s[0] / 10, attach_s  # the second sync refills the mapped buffer
     finally:
         eng.close()
 

@@ -270,6 +270,12 @@ class VLLMRolloutEngine(HoldsEngineState):
         self.last_wake_s += time.perf_counter() - start
 
     # -- weights -------------------------------------------------------------------------------
+    @property
+    def last_sync_phases(self) -> dict[str, float]:
+        """Where the last transfer's time went with the engine core apart (``SharedWeightsSender``:
+        ``attach_s``, ``copy_s``, ``worker_s``); empty in one process."""
+        return dict(self._shared.last_phases) if self._shared is not None else {}
+
     def holds(self, version: int) -> bool:
         """Whether vLLM holds the weights of ``version`` now (a transfer wrote them, no sleep dropped them)."""
         return self._loaded_version == version and not self._weights_dropped

@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,6 +81,9 @@ class SharedWeightsSender:
         self.buffer: torch.Tensor | None = None
         self.views: list[tuple[str, torch.Tensor]] = []
         self.last_paths: list[SyncPath] = []  # how each worker wrote the last push
+        # where the last push's time went (seconds): mapping a new buffer into the worker, the copy into
+        # the buffer (and the device's wait for it), the worker's write of its model with the RPC around it
+        self.last_phases: dict[str, float] = {}
 
     def push(self, pairs: Sequence[tuple[str, torch.Tensor]], *, refill: bool = False) -> list[SyncPath]:
         """Copy ``pairs`` (in the engine's dtype) into the buffer and have the worker write its model
@@ -88,14 +92,22 @@ class SharedWeightsSender:
         change of path is logged here, in the trainer's process."""
         layout, size = plan_layout(pairs)
         device = pairs[0][1].device if pairs else torch.device("cpu")
+        start = time.perf_counter()
         if layout != self.layout or self.buffer is None or self.buffer.device != device:
             self._attach(layout, size, device)
+        attached = time.perf_counter()
         if pairs:  # one foreach copy, not a copy_ call per tensor
             with torch.no_grad():
                 torch._foreach_copy_([view for _, view in self.views], [t for _, t in pairs], non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the worker reads on its own stream, in its own process
+        copied = time.perf_counter()
         outcomes: list[SyncOutcome] = self.llm.collective_rpc("posttrain_reload_shared", args=(refill,))
+        self.last_phases = {
+            "attach_s": attached - start,
+            "copy_s": copied - attached,
+            "worker_s": time.perf_counter() - copied,
+        }
         # an engine core's reply crosses vLLM's msgpack, which gives the worker's tuples back as lists
         notes = dict.fromkeys((int(note[0]), str(note[1])) for _, note in outcomes if note is not None)
         for level, text in notes:  # once, not per worker
