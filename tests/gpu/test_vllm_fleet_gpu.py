@@ -6,7 +6,7 @@ counter replays a call. On the CPU the fleet draws exactly what one engine draws
 so that comparison is reported here, not asserted.
 
 A file of its own because vLLM decides where an engine core runs once per process (docs/vllm.md):
-run it in a pytest process of its own on the device machine (``benchmarks/side_by_side.sh fleet30b``). It
+run it in a pytest process of its own on the device machine (``benchmarks/side_by_side.sh lease31c``). It
 loads the embedded SmolLM2: on W's random 0.4B model a replayed call's draws differed (a nearly flat next-token
 distribution flips on a logit rounded differently, most likely where the replayed prompts hit the prefix
 cache; thirtieth session).
@@ -45,9 +45,12 @@ def test_two_engines_take_the_weights_and_replay_a_call(trainer_logprobs) -> Non
         moved(masters)
         # the loaders at the first sync (one engine after the other), the copy plan from the second, and from
         # the third on the engines are written at once
+        syncs_s = []
         for version, by_plan in ((1, False), (2, True), (3, True)):
             fleet.receive_weights(PolicyWeights(masters), version=version)
             assert [m.writes_by_copy_plan for m in fleet.members] == [by_plan] * 2, version
+            syncs_s.append(round(fleet.last_sync_s, 4))
+        print(f"fleet syncs (s): {syncs_s}")  # reported: the first one engine after the other
         params = SamplingParams(max_tokens=24, seed=5)
         fleet.load_state_dict({"generate_calls": 3})
         batch = fleet.generate(prompts, 4, params)
