@@ -917,8 +917,9 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     # lease31c's GPU tests alone (no W run), the embedded GGUF staged as there
     environment
     embedded_gguf
-    gpu_test_files l31t_gpu 240 tests/gpu/test_vllm_fleet_gpu.py -s
-    grep -E "fleet syncs|fleet vs one" "$R/tests/l31t_gpu.log" ;;
+    gpu_test_files l31t_gpu 150 tests/gpu/test_vllm_fleet_gpu.py -s
+    grep -E "fleet syncs|fleet vs one" "$R/tests/l31t_gpu.log"
+    gpu_test_files l31u_gpu 70 tests/gpu/test_engine_apart_gpu.py ;;
   lease31c)
     # W on two engines again, now that the fleet writes its engines one after the other until each write is
     # one foreach copy (sync31: a first sync at once took 3.7 s each, one after the other 0.17-0.24 s each);
