@@ -86,8 +86,8 @@ class RolloutConfig(Section):
     """vLLM: engines sharing the device, each with its engine core in a process of its own (needs
     ``separate_engine_process=true``); each call's prompts are split between them and each engine gets
     ``gpu_memory_utilization / N``, so their host-bound decode scheduling runs in parallel (W's step on an
-    H100: 1.99-2.01 s with 2, 2.21-2.74 s with 1; each engine starts in a process of its own, about 45 s
-    more, and holds the whole model; 4 were slower). Each prompt is seeded by its
+    H100: 1.99-2.01 s with 2, 2.21-2.74 s with 1; on a slower host 2.49 s against 3.80 s; each engine
+    starts in a process of its own, about 45 s more, and holds the whole model; 4 were slower). Each prompt is seeded by its
     place in the whole call, so the seeds do not depend on N (on the CPU neither do the draws; a GPU's kernels
     may round differently per batch size). Plain text policies (no LoRA, images, routing)."""
     enable_sleep_mode: bool = False
