@@ -87,9 +87,10 @@ class RolloutConfig(Section):
     ``separate_engine_process=true``); each call's prompts are split between them and each engine gets
     ``gpu_memory_utilization / N``, so their host-bound decode scheduling runs in parallel (W's step on an
     H100: 1.99-2.01 s with 2, 2.21-2.74 s with 1; on a slower host 2.49 s against 3.80 s; each engine
-    starts in a process of its own, about 45 s more, and holds the whole model; 4 were slower). Each prompt is seeded by its
-    place in the whole call, so the seeds do not depend on N (on the CPU neither do the draws; a GPU's kernels
-    may round differently per batch size). Plain text policies (no LoRA, images, routing)."""
+    starts in a process of its own, about 45 s more, and holds the whole model; 4 were slower). Each
+    prompt is seeded by its place in the whole call, so the seeds do not depend on N (on the CPU neither
+    do the draws; a GPU's kernels may round differently per batch size). Plain text policies (no LoRA,
+    images, routing)."""
     enable_sleep_mode: bool = False
     """vLLM on a GPU: put the engine to sleep while the policy trains (its weights and KV cache leave
     GPU memory) and wake it for the next generation; ignored on CPU (docs/vllm.md)."""
