@@ -124,7 +124,8 @@
 #   lease31c W on two engines with the first sync one engine after the other; the fleet's and engine-apart GPU
 #          tests with the embedded GGUF (staged in /tmp/vg from .vxg0, .vxg1; carry .vxg2, .vxw too)
 #   lease32 W with one engine in the trainer's process, one apart, two apart (is the update slower beside an
-#          in-process engine?); lease32b TRL on W, then tests31 (carry .vx .whl .devsrc .vxt .vxg2 .vxw)
+#          in-process engine?); lease32b TRL on W, then tests31 (carry .vx .whl .devsrc .vxt .vxg2 .vxw);
+#          lease32c the 1.5B shape on one engine, then two
 #   sync31 two engines' first weight sync at once, one after the other, at once after 16 GiB was cached by
 #          torch's allocator, and one engine apart's (benchmarks/fleet_first_sync.py, W's model)
 #   table  the tables from /tmp/sbs
@@ -939,6 +940,16 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     trl w 150 /tmp/m05 32,8,256
     pack
     bash "$0" tests31 ;;
+  lease32c)
+    # the 1.5B shape on one in-process engine, then on two engines apart (its generation 1.21-1.35 s of a
+    # 2.6-2.8 s step on earlier H100s: does the split pay where the update is half the step?)
+    environment
+    model 1.5b /tmp/m15
+    step w15_l32_one 260 --model /tmp/m15 --micro-batch 32 --steps 5 --out "$R/w15_l32_one.json"
+    pack
+    step w15_l32_two 300 --model /tmp/m15 --micro-batch 32 --steps 5 --separate-engine-process --engines 2 \
+      --out "$R/w15_l32_two.json"
+    pack ;;
   tests31)
     # lease31c's GPU tests alone (no W run), the embedded GGUF staged as there
     environment
