@@ -84,8 +84,10 @@ class _Member:
     weight_dtype = torch.bfloat16
     logprobs_mode = seeding = model_runner = "stand-in"
 
-    def __init__(self, by_plan: bool, log: dict[str, int], lock: threading.Lock) -> None:
-        self.writes_by_copy_plan, self.log, self.lock = by_plan, log, lock
+    def __init__(
+        self, by_plan: bool, log: dict[str, int], lock: threading.Lock, meet: threading.Barrier | None
+    ) -> None:
+        self.writes_by_copy_plan, self.log, self.lock, self.meet = by_plan, log, lock, meet
 
     def holds(self, version: int) -> bool:
         return False
@@ -94,7 +96,10 @@ class _Member:
         with self.lock:
             self.log["active"] += 1
             self.log["most"] = max(self.log["most"], self.log["active"])
-        time.sleep(0.1)  # long enough for the other member's write to begin if they run at once
+        if self.meet is not None:  # expected at once: each waits for the other (a write in turn breaks it)
+            self.meet.wait()
+        else:
+            time.sleep(0.1)  # long enough for the other member's write to begin if they ran at once
         with self.lock:
             self.log["active"] -= 1
 
@@ -113,7 +118,8 @@ def test_members_are_written_at_once_only_when_each_write_is_one_copy(by_plan: l
     0.17-0.24 s one after the other: the fleet writes members at once only when every one goes by its
     copy plan."""
     log, lock = {"active": 0, "most": 0}, threading.Lock()
-    members = iter(_Member(flag, log, lock) for flag in by_plan)
+    meet = threading.Barrier(len(by_plan), timeout=10) if most > 1 else None
+    members = iter(_Member(flag, log, lock, meet) for flag in by_plan)
     fleet = VLLMEngineFleet(lambda _share: next(members), len(by_plan), 0.5)  # type: ignore[arg-type,return-value]
     try:
         fleet.receive_weights(_Weights(), version=1)  # type: ignore[arg-type]
