@@ -57,6 +57,19 @@ def _used_gib() -> float:
     return (total - free) / 2**30
 
 
+def _allocator_counts() -> dict[str, int]:
+    """torch's caching allocator counters: retries after a failed cudaMalloc (each frees the cache and
+    synchronizes) and the device allocations and frees themselves; zeros on a CPU."""
+    if not torch.cuda.is_available():
+        return {"alloc_retries": 0, "device_allocs": 0, "device_frees": 0}
+    stats = torch.cuda.memory_stats()
+    return {
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        "device_allocs": int(stats.get("num_device_alloc", 0)),
+        "device_frees": int(stats.get("num_device_free", 0)),
+    }
+
+
 def _prompt_texts(n_total: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [f"What is {rng.randint(1, 99)} + {rng.randint(1, 99)}? Think step by step." for _ in range(n_total)]
@@ -372,10 +385,12 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
         gen_s = gen_metrics["gen_s"]
         comps = rollout.completions
         _sync()
-        t0 = time.perf_counter()
+        allocator_before = _allocator_counts()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         metrics = trainer.train_on(batch, step)
         _sync()
-        train_s = time.perf_counter() - t0
+        train_s, train_cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
+        allocator_during = {k: v - allocator_before[k] for k, v in _allocator_counts().items()}
         source.settle()
         t0 = time.perf_counter()
         engine.receive_weights(PolicyWeights(trainer.model), version=trainer.optimizer_step)
@@ -396,6 +411,9 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
             "logprob_pass_s": logprob_s,
             "update_s": update_s,
             "optimizer_s": acc.get("optimizer_s", 0.0),
+            # the trainer thread's own CPU time over the train phase: near train_s when the host sets the pace
+            "train_thread_cpu_s": train_cpu_s,
+            **allocator_during,
             "weight_sync_s": sync_s,
             "wake_s": getattr(engine, "last_wake_s", 0.0) if args.sleep else 0.0,
             "other_s": step_s - wait_s - train_s - sync_s,
@@ -417,7 +435,8 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
         print(
             f"step {step}: {step_s:.2f}s | gen {gen_s:.2f}s ({row['gen_tokens_per_s']:.0f} tok/s, {gen_tokens} tok) | "
             f"logprob pass {logprob_s:.2f}s | update {update_s:.2f}s (opt {row['optimizer_s']:.2f}s, "
-            f"MFU {100 * row['mfu_update']:.1f}%) | sync {sync_s:.3f}s | other {row['other_s']:.2f}s | "
+            f"MFU {100 * row['mfu_update']:.1f}%, host {train_cpu_s:.2f}s, retries {row['alloc_retries']}, "
+            f"cudaMalloc {row['device_allocs']}) | sync {sync_s:.3f}s | other {row['other_s']:.2f}s | "
             f"peak {row['peak_alloc_gib']:.1f} GiB, used {row['used_gib']:.1f} GiB | gap mean "
             f"{row['logprob_gap_mean']:.4f} max {row['logprob_gap_max']:.3f}",
             flush=True,
