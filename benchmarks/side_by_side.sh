@@ -125,7 +125,7 @@
 #          GGUF (staged in /tmp/vg from .vxg0, .vxg1 in two calls; carry .vxg2, .vxw too)
 #   lease32 W with one engine in the trainer's process, one apart, two apart (is the update slower beside an
 #          in-process engine?); lease32b TRL on W, then tests31 (carry .vx .whl .devsrc .vxt .vxg2 .vxw);
-#          lease32c the 1.5B shape on one engine, then two
+#          lease32c the 1.5B shape on one engine, then two; lease32s lease32's first two arms, five steps each
 #   sync31 two engines' first weight sync at once, one after the other, at once after 16 GiB was cached by
 #          torch's allocator, and one engine apart's (benchmarks/fleet_first_sync.py, W's model)
 #   table  the tables from /tmp/sbs
@@ -934,6 +934,16 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     step w_l32_apart 200 --model /tmp/m05 --micro-batch 64 --steps 6 --separate-engine-process --out "$R/w_l32_apart.json"
     pack
     w_engines w_l32_two 200 2 ;;
+  lease32s)
+    # lease32 cut to fit a short lease: W with one engine in the trainer's process, then one engine apart, five
+    # steps each (the train phase's thread CPU time and the allocator's counters per step, grpo_step.py)
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    step w_l32s_one 200 --model /tmp/m05 --micro-batch 64 --steps 5 --out "$R/w_l32s_one.json"
+    pack
+    step w_l32s_apart 220 --model /tmp/m05 --micro-batch 64 --steps 5 --separate-engine-process --out "$R/w_l32s_apart.json"
+    pack ;;
   lease32b)
     # TRL on W (lease32's ratio), then the fleet's and engine-apart GPU tests (tests31; GGUF staged as there)
     environment
