@@ -126,6 +126,7 @@
 #   lease32 W with one engine in the trainer's process, one apart, two apart (is the update slower beside an
 #          in-process engine?); lease32b TRL on W, then tests31 (carry .vx .whl .devsrc .vxt .vxg2 .vxw);
 #          lease32c the 1.5B shape on one engine, then two; lease32s lease32's first two arms, five steps each
+#   norm32 the RMSNorm kernels' GPU test with Qwen2 and Qwen3 policies beside Llama's (no vLLM kit; carry .whl)
 #   sync31 two engines' first weight sync at once, one after the other, at once after 16 GiB was cached by
 #          torch's allocator, and one engine apart's (benchmarks/fleet_first_sync.py, W's model)
 #   table  the tables from /tmp/sbs
@@ -944,6 +945,11 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     pack
     step w_l32s_apart 220 --model /tmp/m05 --micro-batch 64 --steps 5 --separate-engine-process --out "$R/w_l32s_apart.json"
     pack ;;
+  norm32)
+    # the row-tiled RMSNorm kernels' GPU test with Qwen2 and Qwen3 policies (Qwen3's per-head query/key norms,
+    # 128 wide) beside Llama's; no vLLM kit (carry .whl, which holds Liger's wheel)
+    kit_free
+    gpu_test_files norm32_gpu 300 tests/gpu/test_block_kernels_gpu.py ;;
   lease32b)
     # TRL on W (lease32's ratio), then the fleet's and engine-apart GPU tests (tests31; GGUF staged as there)
     environment

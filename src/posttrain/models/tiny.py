@@ -1,4 +1,4 @@
-"""Tiny random Llama (or Qwen2), Qwen3-MoE and Qwen3-VL models with a real tokenizer, for tests (nothing
+"""Tiny random Llama (or Qwen2, Qwen3), Qwen3-MoE and Qwen3-VL models with a real tokenizer, for tests (nothing
 downloaded)."""
 
 from __future__ import annotations
@@ -22,17 +22,31 @@ def make_tiny_model(
 ) -> str:
     """Save a randomly initialised ``LlamaForCausalLM`` (fp32) sized to ``tokenizer_dir``'s vocabulary,
     together with that tokenizer, into ``out_dir``; returns ``out_dir``. ``family="qwen2"``: the same
-    body as a ``Qwen2ForCausalLM`` (biased query/key/value projections)."""
+    body as a ``Qwen2ForCausalLM`` (biased query/key/value projections); ``family="qwen3"``: a
+    ``Qwen3ForCausalLM`` (an RMSNorm over each query and key head, heads of ``hidden_size / num_heads``)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    if family not in ("llama", "qwen2"):
-        raise ValueError(f"family must be 'llama' or 'qwen2', got {family!r}")
-    config_class, model_class = (
-        (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
+
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }
+    if family not in classes:
+        raise ValueError(f"family must be one of {sorted(classes)}, got {family!r}")
+    config_class, model_class = classes[family]
+    # Qwen3's config fixes its heads' width (128) apart from the hidden size; the others derive it
+    head_dim = {"head_dim": hidden_size // num_heads} if family == "qwen3" else {}
     tokenizer = _tokenizer(tokenizer_dir)
     config = config_class(
+        **head_dim,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
