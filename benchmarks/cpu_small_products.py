@@ -1,0 +1,62 @@
+"""The CPU decode's small matrix products: ``x @ W.T`` (what ``F.linear`` computes) against ``W @ x.T``
+(the same product with the operands in the other order, transposed back) at each row count.
+
+Why: the transformers rollout engine's decode multiplies at most one row per running sequence (32 in
+the default recipe) by each weight, and on the 2026-12-06 development machine (Intel Xeon, 2 cores,
+MKL 2024.2) those products ran at about 70 GFLOP/s where large ones reach 259 (docs/benchmarks.md,
+thirty-second session). Prints, per row count, ``linear time / other-order time`` for SmolLM2-135M's four
+weight shapes (above 1: the other order is faster), and the large-product rate for scale.
+
+    python benchmarks/cpu_small_products.py [--rows 1,4,8,16,32,64,96,128,256] [--repeats 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+# SmolLM2-135M's weights as (in, out): the MLP's up/gate, its down, attention's query/output, key/value, the head
+SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 192), (576, 49152)]
+
+
+def seconds_per_call(fn: Callable[..., torch.Tensor], repeats: int, *inputs: torch.Tensor) -> float:
+    for _ in range(5):
+        fn(*inputs)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn(*inputs)
+    return (time.perf_counter() - start) / repeats
+
+
+def other_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` computed as ``(weight @ x.T).T`` (a transposed view, as the probe measured it)."""
+    return (weight @ x.t()).t()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,4,8,16,32,64,96,128,256", help="row counts, comma-separated")
+    parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    big = torch.randn(1024, 1024)
+    rate = 2 * 1024**3 / seconds_per_call(torch.mm, 10, big, big) / 1e9
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; 1024^3 product: {rate:.0f} GFLOP/s")
+    print("rows  " + "  ".join(f"{k}x{n}" for k, n in SHAPES) + "   (linear time / other-order time)")
+    for rows in (int(r) for r in args.rows.split(",")):
+        ratios = []
+        for k, n in SHAPES:
+            weight, x = torch.randn(n, k), torch.randn(rows, k)
+            linear = seconds_per_call(torch.nn.functional.linear, args.repeats, x, weight)
+            other = seconds_per_call(other_order, args.repeats, x, weight)
+            ratios.append(f"{linear / other:.2f}".rjust(len(f"{k}x{n}")))
+        print(f"{rows:<5} " + "  ".join(ratios))
+
+
+if __name__ == "__main__":
+    main()
