@@ -4,7 +4,7 @@
 Why: the transformers rollout engine's decode multiplies at most one row per running sequence (32 in
 the default recipe) by each weight, and on the 2026-12-06 development machine (Intel Xeon, 2 cores,
 MKL 2024.2) those products ran at about 70 GFLOP/s where large ones reach 259 (docs/benchmarks.md,
-thirty-second session). Prints, per row count, ``linear time / other-order time`` for SmolLM2-135M's four
+thirty-second session). Prints, per row count, ``linear time / other-order time`` for SmolLM2-135M's five
 weight shapes (above 1: the other order is faster), and the large-product rate for scale.
 
     python benchmarks/cpu_small_products.py [--rows 1,4,8,16,32,64,96,128,256] [--repeats 60]
