@@ -83,17 +83,33 @@ class HFTeacher:
         hidden_NH, b_N, t_N = completion_hidden_states(body, batch)
         ids_N = batch.completion_ids_BT[b_N, t_N]
         lp_N, tid_NK, tlp_NK = head_scores(hidden_NH, ids_N, head, top_k=top_k, chunk_tokens=self.chunk_tokens)
-        # One transfer per batch; the tokens are row-major (build_policy_batch), so rows are contiguous.
-        lp_list, tid_list, tlp_list = lp_N.cpu().tolist(), tid_NK.cpu().tolist(), tlp_NK.cpu().tolist()
-        scores, pos = [], 0
-        for r in requests:
-            n = len(r.token_ids) - r.score_from
-            scores.append(
-                SequenceScores(
-                    logprobs=lp_list[pos : pos + n],
-                    topk_ids=tid_list[pos : pos + n] if top_k else None,
-                    topk_logprobs=tlp_list[pos : pos + n] if top_k else None,
-                )
+        return split_scores(requests, lp_N, tid_NK, tlp_NK, top_k=top_k)
+
+
+def split_scores(
+    requests: list[ScoreRequest],
+    lp_N: Tensor,
+    tid_NK: Tensor,
+    tlp_NK: Tensor,
+    *,
+    top_k: int,
+    prompt_ids: list[list[int]] | None = None,
+) -> list[SequenceScores]:
+    """One ``SequenceScores`` per request from a batch's flat scores (``N`` = the requests' scored
+    tokens, row-major as ``build_policy_batch`` lays them out, so each request's are contiguous);
+    ``prompt_ids``: the prompt each request was scored on, where the engine reports it."""
+    # One transfer per batch.
+    lp_list, tid_list, tlp_list = lp_N.cpu().tolist(), tid_NK.cpu().tolist(), tlp_NK.cpu().tolist()
+    scores, pos = [], 0
+    for i, r in enumerate(requests):
+        n = len(r.token_ids) - r.score_from
+        scores.append(
+            SequenceScores(
+                logprobs=lp_list[pos : pos + n],
+                topk_ids=tid_list[pos : pos + n] if top_k else None,
+                topk_logprobs=tlp_list[pos : pos + n] if top_k else None,
+                prompt_ids=None if prompt_ids is None else prompt_ids[i],
             )
-            pos += n
-        return scores
+        )
+        pos += n
+    return scores

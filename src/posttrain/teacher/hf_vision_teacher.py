@@ -23,13 +23,14 @@ import torch
 from posttrain.models.vision import VisionProcessor, decode_image
 from posttrain.policy.batching import build_policy_batch
 from posttrain.policy.images import ImageInputs, image_forward_kwargs, multimodal_body_and_head
-from posttrain.teacher.base import ScoreRequest, SequenceScores, TeacherError, check_requests
-from posttrain.teacher.hf_teacher import head_scores
+from posttrain.teacher.base import ScoreRequest, SequenceScores, TeacherError
+from posttrain.teacher.hf_teacher import HFTeacher, head_scores, split_scores
 from posttrain.teacher.multimodal import MediaScoreRequest, verify_engine_prompt
 
 
-class HFVisionTeacher:
-    """Scores forced sequences with images with a frozen transformers vision-language model."""
+class HFVisionTeacher(HFTeacher):
+    """Scores forced sequences with images with a frozen transformers vision-language model; each
+    ``SequenceScores`` carries the prompt it was scored on (``prompt_ids``)."""
 
     def __init__(
         self,
@@ -40,18 +41,10 @@ class HFVisionTeacher:
         chunk_tokens: int = 1024,
         max_model_len: int | None = None,
     ) -> None:
-        model.eval()
-        model.requires_grad_(False)
-        self.model = model
+        super().__init__(
+            model, processor.tokenizer, batch_size=batch_size, chunk_tokens=chunk_tokens, max_model_len=max_model_len
+        )
         self.processor = processor
-        self.tokenizer = processor.tokenizer
-        self.batch_size = batch_size
-        self.chunk_tokens = chunk_tokens
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.max_model_len = max_model_len
-        self.device = next(model.parameters()).device
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.pad_id = int(pad or 0)
 
     def expand(self, request: ScoreRequest) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
         """The engine's view of one request: its prompt with each marker's first pad replaced by the
@@ -78,15 +71,6 @@ class HFVisionTeacher:
         if k != len(widths):
             raise TeacherError(f"{where}: {len(widths)} image(s) sent for {k} image marker(s) in the prompt")
         return expanded, out["pixel_values"], out["image_grid_thw"]
-
-    @torch.no_grad()
-    def score(self, requests: list[ScoreRequest], top_k: int) -> list[SequenceScores]:
-        """Teacher scores of every request (see ``teacher.base``), each with the prompt it scored."""
-        check_requests(requests, self.vocab_size, self.max_model_len)
-        out: list[SequenceScores] = []
-        for start in range(0, len(requests), self.batch_size):
-            out.extend(self._score_batch(requests[start : start + self.batch_size], top_k))
-        return out
 
     def _score_batch(self, requests: list[ScoreRequest], top_k: int) -> list[SequenceScores]:
         views = [self.expand(r) for r in requests]
@@ -116,17 +100,5 @@ class HFVisionTeacher:
         hidden_NH = hidden.flatten(0, 1)[batch.source_N]
         ids_N = batch.completion_ids_BT[batch.row_N, batch.col_N]
         lp_N, tid_NK, tlp_NK = head_scores(hidden_NH, ids_N, head, top_k=top_k, chunk_tokens=self.chunk_tokens)
-        lp_list, tid_list, tlp_list = lp_N.cpu().tolist(), tid_NK.cpu().tolist(), tlp_NK.cpu().tolist()
-        scores, pos = [], 0
-        for r, view in zip(requests, views, strict=True):
-            n = len(r.token_ids) - r.score_from
-            scores.append(
-                SequenceScores(
-                    logprobs=lp_list[pos : pos + n],
-                    topk_ids=tid_list[pos : pos + n] if top_k else None,
-                    topk_logprobs=tlp_list[pos : pos + n] if top_k else None,
-                    prompt_ids=view[0],
-                )
-            )
-            pos += n
-        return scores
+        # the prompt each request was scored on goes back with its scores (the caller checks it again)
+        return split_scores(requests, lp_N, tid_NK, tlp_NK, top_k=top_k, prompt_ids=[v[0] for v in views])
