@@ -161,8 +161,6 @@ def lanes_proxy(cfg: RunConfig, rank: int) -> LanesProxy:
         owner=rank < replicas,
         timeout_s=cfg.grid.collective_timeout_s,
         transport=cfg.rl.weight_sync_transport,
-        sync=SyncOptions(
-            cfg.rl.weight_sync_bucket_bytes, cfg.rl.weight_sync_probe, cfg.rl.weight_sync_min_bandwidth_gbps
-        ),
+        sync=SyncOptions.of(cfg.rl),
         pooled=uses_pool(cfg),
     )

@@ -21,7 +21,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from posttrain.config.schema import RunConfig
+from posttrain.config.schema import BaseRLConfig, RunConfig
 from posttrain.distributed.world import barrier
 from posttrain.errors import TrainingError
 from posttrain.rollout.data_pool import StepLedger, probe_store, resolve_batch, uses_pool
@@ -48,6 +48,11 @@ class SyncOptions(NamedTuple):
     bucket_bytes: int = 256 * 2**20
     probe: bool = True
     min_bandwidth_gbps: float = 1.0
+
+    @classmethod
+    def of(cls, rl: BaseRLConfig) -> SyncOptions:
+        """The options a run's ``rl`` section sets."""
+        return cls(rl.weight_sync_bucket_bytes, rl.weight_sync_probe, rl.weight_sync_min_bandwidth_gbps)
 
 
 class RolloutProxy:
@@ -208,8 +213,6 @@ def rollout_proxy(cfg: RunConfig, rank: int) -> RolloutProxy:
         owner=rank < replicas,
         timeout_s=cfg.grid.collective_timeout_s,
         transport=cfg.rl.weight_sync_transport,
-        sync=SyncOptions(
-            cfg.rl.weight_sync_bucket_bytes, cfg.rl.weight_sync_probe, cfg.rl.weight_sync_min_bandwidth_gbps
-        ),
+        sync=SyncOptions.of(cfg.rl),
         pooled=uses_pool(cfg),
     )
