@@ -10,9 +10,8 @@ import random
 import re
 import string
 from collections.abc import Sequence
-from typing import Any
 
-from posttrain.data.base import PromptSample
+from posttrain.data.base import PromptSample, SeededStream
 from posttrain.data.jsonl import apply_system_prompt
 from posttrain.errors import DataError
 
@@ -82,10 +81,10 @@ def _apply(a: int, op: str, b: int) -> int:
     return a * b
 
 
-class ArithmeticSource:
+class ArithmeticSource(SeededStream):
     """Endless ``a op b`` questions whose ground truth is the integer answer."""
 
-    provides = frozenset({"prompt", "ground_truth"})
+    cursor_name = "arithmetic"
 
     def __init__(
         self,
@@ -106,7 +105,6 @@ class ArithmeticSource:
         self.ops = tuple(ops)
         self.template = template
         self.system_prompt = system_prompt
-        self._index = 0
 
     def sample(self, index: int) -> PromptSample:
         """Sample ``index`` of this seed's stream (independent of the cursor)."""
@@ -123,27 +121,3 @@ class ArithmeticSource:
             uid=f"arith:{index}",
             metadata={"a": a, "op": op, "b": b},
         )
-
-    def next_batch(self, n: int) -> list[PromptSample]:
-        """The next ``n`` questions."""
-        if n < 0:
-            raise ValueError(f"next_batch needs n >= 0, got {n}")
-        out = [self.sample(i) for i in range(self._index, self._index + n)]
-        self._index += n
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """The cursor: the next index (and the seed, so a resume with another seed is caught)."""
-        return {"index": self._index, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from the index in ``state``."""
-        if "seed" in state and state["seed"] != self.seed:
-            raise DataError(
-                f"the arithmetic cursor was saved with data seed {state['seed']} but this run uses "
-                f"{self.seed}; an exact resume needs the same data seed"
-            )
-        index = int(state["index"])
-        if index < 0:
-            raise DataError(f"invalid arithmetic cursor index {index}")
-        self._index = index

@@ -1,9 +1,12 @@
-"""The one input type of every prompt source, and the protocol every source implements."""
+"""The one input type of every prompt source, the protocol every source implements, and the base of the
+built-in generated tasks (``SeededStream``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from posttrain.errors import DataError
 
 ChatMessages = list[dict[str, Any]]
 
@@ -46,3 +49,44 @@ class DataSource(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a cursor written by ``state_dict``."""
         ...
+
+
+class SeededStream:
+    """An endless generated task whose sample ``i`` depends on ``(seed, i)`` alone: the cursor is the
+    next index, and a resume under another seed is refused (its samples would not be the ones the
+    run was promised). Subclasses set ``seed`` and define ``sample``."""
+
+    provides: frozenset[str] = frozenset({"prompt", "ground_truth"})
+    cursor_name: ClassVar[str]
+    """What the errors call this stream's cursor ("the arithmetic cursor")."""
+
+    seed: int
+    _index: int = 0
+
+    def sample(self, index: int) -> PromptSample:
+        """Sample ``index`` of this seed's stream (independent of the cursor)."""
+        raise NotImplementedError
+
+    def next_batch(self, n: int) -> list[PromptSample]:
+        """The next ``n`` samples."""
+        if n < 0:
+            raise ValueError(f"next_batch needs n >= 0, got {n}")
+        out = [self.sample(i) for i in range(self._index, self._index + n)]
+        self._index += n
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor: the next index, and the seed (a resume with another seed is refused)."""
+        return {"index": self._index, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from the index in ``state``."""
+        if state.get("seed", self.seed) != self.seed:
+            raise DataError(
+                f"the {self.cursor_name} cursor was saved with data seed {state['seed']} but this run uses "
+                f"{self.seed}; an exact resume needs the same data seed"
+            )
+        index = int(state["index"])
+        if index < 0:
+            raise DataError(f"invalid {self.cursor_name} cursor index {index}")
+        self._index = index

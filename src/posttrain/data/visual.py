@@ -20,9 +20,8 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import Any
 
-from posttrain.data.base import PromptSample
+from posttrain.data.base import PromptSample, SeededStream
 from posttrain.errors import DataError
 
 QUESTION = "How many squares are in the image? Reply with only the number."
@@ -49,10 +48,10 @@ def render_squares(rng: random.Random, count: int, size: int) -> bytes:
     return buf.getvalue()
 
 
-class ShapeCountSource:
+class ShapeCountSource(SeededStream):
     """Endless "how many squares?" prompts whose ground truth is the count (see the module docstring)."""
 
-    provides = frozenset({"prompt", "ground_truth"})
+    cursor_name = "shape-count"
 
     def __init__(self, seed: int = 0, *, min_count: int = 1, max_count: int = 5, size: int = 64) -> None:
         if not 1 <= min_count <= max_count <= GRID * GRID:
@@ -65,7 +64,6 @@ class ShapeCountSource:
         self.min_count = min_count
         self.max_count = max_count
         self.size = size
-        self._index = 0
 
     def sample(self, index: int) -> PromptSample:
         """Sample ``index`` of this seed's stream (independent of the cursor)."""
@@ -79,30 +77,6 @@ class ShapeCountSource:
             uid=f"shapes:{index}",
             metadata={"count": count},
         )
-
-    def next_batch(self, n: int) -> list[PromptSample]:
-        """The next ``n`` prompts."""
-        if n < 0:
-            raise ValueError(f"next_batch needs n >= 0, got {n}")
-        out = [self.sample(i) for i in range(self._index, self._index + n)]
-        self._index += n
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """The cursor: the next index, and the seed (a resume with another seed is refused)."""
-        return {"index": self._index, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from the index in ``state``."""
-        if state.get("seed", self.seed) != self.seed:
-            raise DataError(
-                f"the shape-count cursor was saved with data seed {state['seed']} but this run uses {self.seed}; "
-                "an exact resume needs the same data seed"
-            )
-        index = int(state["index"])
-        if index < 0:
-            raise DataError(f"invalid shape-count cursor index {index}")
-        self._index = index
 
 
 def shape_count_rows(seed: int = 0, rows: int = 256) -> list[PromptSample]:
