@@ -8,6 +8,10 @@ thirty-second session). Prints, per row count, ``linear time / other-order time`
 weight shapes (above 1: the other order is faster), and the large-product rate for scale.
 
     python benchmarks/cpu_small_products.py [--rows 1,4,8,16,32,64,96,128,256] [--repeats 60]
+
+With ``--layouts`` it times ``F.linear`` itself over each weight stored row-major (as ``nn.Linear``
+keeps it) and column-major (what the transformers engine decodes with on a CPU since the
+thirty-third session, ``models/cpu_decode_layout.py``): microseconds per call, then their ratio.
 """
 
 from __future__ import annotations
@@ -36,17 +40,41 @@ def other_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight @ x.t()).t()
 
 
+def column_major(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ([out, in]) stored with strides ``(1, out)``: F.linear then hands MKL the NN case."""
+    return torch.empty_strided(weight.shape, (1, weight.shape[0]), dtype=weight.dtype).copy_(weight)
+
+
+def layouts(rows_list: list[int], repeats: int) -> None:
+    """Per row count and shape: F.linear's microseconds over a row-major and a column-major weight."""
+    print("rows  " + "  ".join(f"{k}x{n}".center(21) for k, n in SHAPES))
+    print("      " + "  ".join("row-major col-major x".center(21) for _ in SHAPES))
+    linear = torch.nn.functional.linear
+    for rows in rows_list:
+        cells = []
+        for k, n in SHAPES:
+            weight, x = torch.randn(n, k), torch.randn(rows, k)
+            row_us = seconds_per_call(linear, repeats, x, weight) * 1e6
+            col_us = seconds_per_call(linear, repeats, x, column_major(weight)) * 1e6
+            cells.append(f"{row_us:8.0f} {col_us:8.0f} {row_us / col_us:4.1f}")
+        print(f"{rows:<5} " + "  ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,8,16,32,64,96,128,256", help="row counts, comma-separated")
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--layouts", action="store_true", help="F.linear over row- and column-major weights")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     big = torch.randn(1024, 1024)
     rate = 2 * 1024**3 / seconds_per_call(torch.mm, 10, big, big) / 1e9
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; 1024^3 product: {rate:.0f} GFLOP/s")
+    if args.layouts:
+        layouts([int(r) for r in args.rows.split(",")], args.repeats)
+        return
     print("rows  " + "  ".join(f"{k}x{n}" for k, n in SHAPES) + "   (linear time / other-order time)")
     for rows in (int(r) for r in args.rows.split(",")):
         ratios = []

@@ -35,13 +35,14 @@ import hashlib
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from posttrain.models.chat import eos_token_ids
+from posttrain.models.cpu_decode_layout import column_major_linears
 from posttrain.models.precision import Precision, compute_weights
 from posttrain.rollout.base import (
     Completion,
@@ -293,12 +294,15 @@ class HFRolloutEngine(HoldsEngineState):
         gen_s = time.perf_counter() - start
         return self._package(prompt_token_ids, n, results, gen_s)
 
-    def _compute(self) -> AbstractContextManager[None]:
+    def _compute(self) -> ExitStack[bool | None]:
         """The policy's weights as compute-dtype copies when it is mixed, as its training forward
-        reads them (``compute_weights``); nothing entered otherwise."""
-        if self.precision is None or not self.precision.mixed:
-            return nullcontext()
-        return compute_weights(self.model, self.precision)
+        reads them (``compute_weights``); on a CPU, fp32 linear weights as column-major copies, the
+        layout MKL multiplies a decode step's few rows by fastest (``models/cpu_decode_layout.py``)."""
+        stack = ExitStack()
+        if self.precision is not None and self.precision.mixed:
+            stack.enter_context(compute_weights(self.model, self.precision))
+        stack.enter_context(column_major_linears(self.model))  # leaves CUDA weights alone
+        return stack
 
     def _package(self, prompts: list[list[int]], n: int, results: list[_Sampled], gen_s: float) -> RolloutBatch:
         texts = self.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)

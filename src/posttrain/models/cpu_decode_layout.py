@@ -1,0 +1,73 @@
+"""Column-major weights for decoding on a CPU: the same products, in the layout MKL is fast at.
+
+A decode step multiplies a few rows (one per running sequence: 32 at most in the default job) by
+every weight. ``nn.Linear`` computes ``x @ W.T`` with ``W`` stored ``[out, in]`` row-major, so MKL's
+GEMM reads its second operand transposed ("NT"); at 4-63 rows that kernel is 2-5x slower than the
+"NN" one over a ``[in, out]`` row-major operand (SmolLM2-135M's five weight shapes at 16 and 32 rows,
+2026-12-07, Intel Xeon, torch 2.13.0+cpu with MKL 2024.2; ``benchmarks/cpu_small_products.py
+--layouts``), and no slower from 64 rows up. A weight stored column-major (``[out, in]`` with strides
+``(1, out)``) *is* an ``[in, out]`` row-major tensor seen transposed, so ``F.linear`` hands MKL the NN
+case, and the result comes back in the usual row-major layout: nothing downstream changes.
+
+``column_major_linears`` swaps every fp32 ``nn.Linear`` weight of a module for such a copy while
+it is entered, as ``precision.compute_weights`` swaps in compute-dtype copies: the parameters, their
+``state_dict`` and the optimizer never see the copies. The transformers rollout engine enters it once
+per ``generate`` call on a CPU: one transposing copy per weight (about 0.2 s for SmolLM2-135M's 134M
+linear weights on that machine, and as much memory again as those weights while the call runs),
+against about 0.5-1.5 s less in the call's products. The products are the same up to rounding
+(MKL's two kernels sum in different orders), so the draws differ from a row-major run's; every run
+on a CPU decodes this way, so a run and its resume take the same draws.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["column_major_copy", "column_major_linears"]
+
+_COPY_ROWS = 256
+"""Rows of the weight per transposing copy: in blocks the copy stays in cache and runs about twice as
+fast as one whole-matrix copy (0.19-0.21 s against 0.30-0.44 s for SmolLM2-135M's linear weights on
+the 2026-12-07 machine; 64 to 1,024 rows all did about as well)."""
+
+
+def column_major_copy(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of the 2-D ``weight`` with strides ``(1, rows)``: the same values, stored transposed."""
+    copy = torch.empty_strided(weight.shape, (1, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+    for start in range(0, weight.shape[0], _COPY_ROWS):
+        copy[start : start + _COPY_ROWS].copy_(weight[start : start + _COPY_ROWS])
+    return copy
+
+
+@contextmanager
+def column_major_linears(model: nn.Module) -> Iterator[None]:
+    """Inside, every fp32 CPU ``nn.Linear`` weight of ``model`` (a plain tensor, not a sharded one)
+    reads as a column-major copy (tied weights share one copy); the parameters are back when it
+    exits. Enter it under ``torch.no_grad`` or ``torch.inference_mode``: the copies are for sampling,
+    not for training."""
+    copies: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict[str, Any], torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            slots: dict[str, Any] = module._parameters
+            weight = slots["weight"]
+            if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+                continue
+            if type(weight.data) is not torch.Tensor:  # a sharded (DTensor) or other subclass weight stays
+                continue
+            copy = copies.get(id(weight))
+            if copy is None:
+                copy = copies[id(weight)] = column_major_copy(weight)
+            swapped.append((slots, weight))
+            slots["weight"] = copy
+        yield
+    finally:
+        for slots, weight in reversed(swapped):
+            slots["weight"] = weight
