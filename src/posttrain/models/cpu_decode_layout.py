@@ -2,10 +2,10 @@
 
 A decode step multiplies a few rows (one per running sequence: 32 at most in the default job) by
 every weight. ``nn.Linear`` computes ``x @ W.T`` with ``W`` stored ``[out, in]`` row-major, so MKL's
-GEMM reads its second operand transposed ("NT"); at 4-63 rows that kernel is 2-5x slower than the
-"NN" one over a ``[in, out]`` row-major operand (SmolLM2-135M's five weight shapes at 16 and 32 rows,
-2026-12-07, Intel Xeon, torch 2.13.0+cpu with MKL 2024.2; ``benchmarks/cpu_small_products.py
---layouts``), and no slower from 64 rows up. A weight stored column-major (``[out, in]`` with strides
+GEMM reads its second operand transposed ("NT"); at 4-32 rows that kernel took 1.5-10x as long as
+the "NN" one over an ``[in, out]`` row-major operand for SmolLM2-135M's five weight shapes (2026-12-07,
+Intel Xeon, torch 2.13.0+cpu with MKL 2024.2; ``benchmarks/cpu_small_products.py --layouts``), and
+about as long from 64 rows up. A weight stored column-major (``[out, in]`` with strides
 ``(1, out)``) *is* an ``[in, out]`` row-major tensor seen transposed, so ``F.linear`` hands MKL the NN
 case, and the result comes back in the usual row-major layout: nothing downstream changes.
 
