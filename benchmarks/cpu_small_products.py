@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from posttrain.models.cpu_decode_layout import column_major_copy
+
 # SmolLM2-135M's weights as (in, out): the MLP's up/gate, its down, attention's query/output, key/value, the head
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 192), (576, 49152)]
 
@@ -40,11 +42,6 @@ def other_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight @ x.t()).t()
 
 
-def column_major(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ([out, in]) stored with strides ``(1, out)``: F.linear then hands MKL the NN case."""
-    return torch.empty_strided(weight.shape, (1, weight.shape[0]), dtype=weight.dtype).copy_(weight)
-
-
 def layouts(rows_list: list[int], repeats: int) -> None:
     """Per row count and shape: F.linear's microseconds over a row-major and a column-major weight."""
     print("rows  " + "  ".join(f"{k}x{n}".center(21) for k, n in SHAPES))
@@ -55,7 +52,7 @@ def layouts(rows_list: list[int], repeats: int) -> None:
         for k, n in SHAPES:
             weight, x = torch.randn(n, k), torch.randn(rows, k)
             row_us = seconds_per_call(linear, repeats, x, weight) * 1e6
-            col_us = seconds_per_call(linear, repeats, x, column_major(weight)) * 1e6
+            col_us = seconds_per_call(linear, repeats, x, column_major_copy(weight)) * 1e6
             cells.append(f"{row_us:8.0f} {col_us:8.0f} {row_us / col_us:4.1f}")
         print(f"{rows:<5} " + "  ".join(cells))
 
