@@ -3,6 +3,7 @@ built-in generated tasks (``SeededStream``)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -51,7 +52,7 @@ class DataSource(Protocol):
         ...
 
 
-class SeededStream:
+class SeededStream(ABC):
     """An endless generated task whose sample ``i`` depends on ``(seed, i)`` alone: the cursor is the
     next index, and a resume under another seed is refused (its samples would not be the ones the
     run was promised). Subclasses set ``seed`` and define ``sample``."""
@@ -63,9 +64,9 @@ class SeededStream:
     seed: int
     _index: int = 0
 
+    @abstractmethod
     def sample(self, index: int) -> PromptSample:
         """Sample ``index`` of this seed's stream (independent of the cursor)."""
-        raise NotImplementedError
 
     def next_batch(self, n: int) -> list[PromptSample]:
         """The next ``n`` samples."""
