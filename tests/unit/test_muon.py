@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_on_two_ranks
 from torch import nn
 
 from posttrain.policy.muon import MuonWithAuxAdamW, split_params_for_muon
@@ -282,24 +279,6 @@ SHARDED_MUON_RTOL = 0.05
 def test_fsdp2_shards_match_the_unsharded_update_and_resume_bitwise(tmp_path: Path) -> None:
     """Two gloo ranks: DTensor row shards get the unsharded Muon / AdamW update (to bf16 rounding);
     an FSDP2 model's Muon state resumes bitwise from a DCP and from a consolidated checkpoint."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = tmp_path / "sharded_muon.py"
     script.write_text(f"MUON_RTOL = {SHARDED_MUON_RTOL}\n" + _SHARDED_SCRIPT)
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env["OMP_NUM_THREADS"] = "1"
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path / "ckpt")],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
-    for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0 and "OK" in out, out
+    run_on_two_ranks(script, str(tmp_path / "ckpt"), timeout_s=120)

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_on_two_ranks
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz
 
@@ -410,24 +407,6 @@ def test_expert_axis_shards_step_locally_and_resume_bitwise(tmp_path: Path) -> N
     """Two gloo ranks: Shard(0) expert stacks get one process's update bitwise (also with uneven
     shards, and on one rank stepping alone: no collective); a Shard(1) stack is refused; posttrain's
     FSDP2 sharding of a Qwen3-MoE holds whole experts per rank and its Muon state resumes bitwise."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = tmp_path / "sharded_expert_muon.py"
     script.write_text(_SHARDED_SCRIPT)
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env["OMP_NUM_THREADS"] = "1"
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path / "ckpt")],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = [proc.communicate(timeout=180)[0] for proc in procs]
-    for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0 and "OK" in out, out
+    run_on_two_ranks(script, str(tmp_path / "ckpt"), timeout_s=180)

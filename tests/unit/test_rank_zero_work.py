@@ -5,20 +5,14 @@ hands every rank rank 0's result, and reports rank 0's failure on the other rank
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
 import torch.multiprocessing as mp
+from gloo_ranks import free_port
 
 TIMEOUT_S = 1.0
 WORK_S = 2.0  # longer than the process group's timeout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _slow(value: str) -> str:
@@ -60,7 +54,7 @@ def _rank(rank: int, port: int, queue: Any) -> None:
 def test_the_other_ranks_wait_for_rank_zero_past_the_collective_timeout() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(rank, port, queue)) for rank in (0, 1)]
     for proc in procs:
         proc.start()

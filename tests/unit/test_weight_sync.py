@@ -4,11 +4,11 @@ over a real gloo pair group in two processes."""
 from __future__ import annotations
 
 import io
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from gloo_ranks import free_port
 
 from posttrain.distributed import weight_sync
 
@@ -36,12 +36,6 @@ def test_plan_buckets_hand_values() -> None:
     assert weight_sync.plan_buckets(meta, 1) == [[0], [1], [2], [3], [4], [5], [6]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _replica(port: int, bucket_bytes: int, queue: mp.Queue) -> None:
     group = weight_sync.pair_group("127.0.0.1", port, 1, timeout_s=60)
     got = weight_sync.receive(group, weight_sync.describe(_tensors()), torch.device("cpu"), bucket_bytes)
@@ -56,7 +50,7 @@ def _replica(port: int, bucket_bytes: int, queue: mp.Queue) -> None:
 def test_send_receive_bitwise_over_gloo(bucket_bytes: int) -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     proc = ctx.Process(target=_replica, args=(port, bucket_bytes, queue))
     proc.start()
     group = weight_sync.pair_group("127.0.0.1", port, 0, timeout_s=60)
