@@ -126,6 +126,9 @@
 #   lease32 W with one engine in the trainer's process, one apart, two apart (is the update slower beside an
 #          in-process engine?); lease32b TRL on W, then tests31 (carry .vx .whl .devsrc .vxt .vxg2 .vxw);
 #          lease32c the 1.5B shape on one engine, then two; lease32s lease32's first two arms, five steps each
+#   lease34 what an in-process engine changes in the process (vllm_inprocess_state.py), then W on one engine in the
+#          trainer's process and on two engines apart, five steps each (a short lease)
+#   merge34 merged q/k/v and gate/up products against separate ones, alone (benchmarks/merged_projections.py; no kit)
 #   norm32 the RMSNorm kernels' GPU test with Qwen2 and Qwen3 policies beside Llama's (no vLLM kit; carry .whl)
 #   sync31 two engines' first weight sync at once, one after the other, at once after 16 GiB was cached by
 #          torch's allocator, and one engine apart's (benchmarks/fleet_first_sync.py, W's model)
@@ -944,6 +947,26 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     step w_l32s_one 200 --model /tmp/m05 --micro-batch 64 --steps 5 --out "$R/w_l32s_one.json"
     pack
     step w_l32s_apart 220 --model /tmp/m05 --micro-batch 64 --steps 5 --separate-engine-process --out "$R/w_l32s_apart.json"
+    pack ;;
+  lease34)
+    # a short lease's W pair: one engine in the trainer's process, then two engines apart (the fleet with the
+    # thirty-first session's mended first sync, not yet run in whole steps), five steps each; first, what an
+    # in-process engine changes in the trainer's process on CUDA (benchmarks/vllm_inprocess_state.py)
+    environment
+    device_info
+    timeout 120 python3 benchmarks/vllm_inprocess_state.py --out "$R/inprocess_state.json" >"$R/inprocess_state.log" 2>&1
+    echo "inprocess_state rc=$?"; grep -A30 '"state_changed"' "$R/inprocess_state.json" | head -30
+    model 0.5b /tmp/m05
+    step w_l34_one 200 --model /tmp/m05 --micro-batch 64 --steps 5 --out "$R/w_l34_one.json"
+    pack
+    step w_l34_two 240 --model /tmp/m05 --micro-batch 64 --steps 5 --separate-engine-process --engines 2 \
+      --out "$R/w_l34_two.json"
+    pack ;;
+  merge34)
+    # would merging q/k/v (and gate/up) into one product per layer pay in the update? Their products and the
+    # backward's adds alone at W's and 1.5B's micro-batch shapes (benchmarks/merged_projections.py); no vLLM kit
+    kit_free
+    timeout 120 python3 benchmarks/merged_projections.py --out "$R/merge34.json" 2>&1 | tee "$R/merge34.log"
     pack ;;
   norm32)
     # the row-tiled RMSNorm kernels' GPU test with Qwen2 and Qwen3 policies (Qwen3's per-head query/key norms,
