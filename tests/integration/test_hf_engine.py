@@ -194,6 +194,22 @@ def test_sampler_follows_the_distribution() -> None:
     torch.testing.assert_close(logprobs, probs.log()[ids])
 
 
+def test_sampler_cdf_is_the_float64_copys_cumsum_bitwise() -> None:
+    """The CDF accumulates the float32 probabilities in float64 as it goes (``cumsum(dtype=)``): the same
+    sums, and so the same draws, as the float64 copy's cumsum it replaced, at the default job's shape."""
+    gen = torch.Generator().manual_seed(3)
+    logits_BV = torch.randn(32, 49152, generator=gen) * 4
+    logits_BV[:, :100] = float("-inf")  # ids of probability zero
+    probs_BV = torch.softmax(logits_BV, dim=-1)
+    assert torch.equal(torch.cumsum(probs_BV, dim=-1, dtype=torch.float64), probs_BV.double().cumsum(dim=-1))
+    ids, _ = draw_tokens(logits_BV, SamplingParams(max_tokens=1), torch.Generator().manual_seed(5))
+    u_B1 = torch.rand((32, 1), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    cdf_BV = probs_BV.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True).squeeze(-1)
+    assert torch.equal(ids, expected)
+    assert bool((ids >= 100).all())
+
+
 def test_plan_chunks_groups_by_prompt() -> None:
     chunks = plan_chunks(3, 4, 5)
     assert [(c.prompt_index_U, c.counts_U) for c in chunks] == [([0, 1], [4, 1]), ([1, 2], [3, 2]), ([2], [2])]
