@@ -20,7 +20,8 @@ def free_port() -> int:
 
 def run_on_two_ranks(script: Path, *args: str, timeout_s: float) -> list[str]:
     """Run ``script`` with ``args`` as ranks 0 and 1 of a gloo world; assert each exits 0 having printed
-    ``OK``, and return their outputs."""
+    ``OK``, and return their outputs. A rank still running after ``timeout_s`` is killed and the test fails
+    with ``subprocess.TimeoutExpired``."""
     port = free_port()
     procs = []
     for rank in range(2):
@@ -35,7 +36,12 @@ def run_on_two_ranks(script: Path, *args: str, timeout_s: float) -> list[str]:
                 text=True,
             )
         )
-    outputs = [proc.communicate(timeout=timeout_s)[0] for proc in procs]
+    try:
+        outputs = [proc.communicate(timeout=timeout_s)[0] for proc in procs]
+    finally:  # a rank past its timeout (a hung collective) is not left running after the test
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
     for proc, out in zip(procs, outputs):
         assert proc.returncode == 0 and "OK" in out, out
     return outputs
