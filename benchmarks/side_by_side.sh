@@ -279,6 +279,15 @@ w_engines() {  # NAME TIMEOUT N: W in whole steps on N vLLM engines (1: in the t
   step "$name" "$limit" --model /tmp/m05 --micro-batch 64 --steps 6 "${apart[@]}" --out "$R/$name.json"
   pack
 }
+one_then_two() {  # NAME MODEL MICRO LIMIT_ONE LIMIT_TWO: five steps on one engine in the trainer's process
+  # (NAME_one), then five on two engines apart (NAME_two), each packed
+  local name=$1 model=$2 micro=$3
+  step "${name}_one" "$4" --model "$model" --micro-batch "$micro" --steps 5 --out "$R/${name}_one.json"
+  pack
+  step "${name}_two" "$5" --model "$model" --micro-batch "$micro" --steps 5 --separate-engine-process --engines 2 \
+    --out "$R/${name}_two.json"
+  pack
+}
 offpolicy_w() {  # one-step off-policy W with the engine core apart and compiled layers (offp26, offp27)
   environment
   model 0.5b /tmp/m05
@@ -957,11 +966,7 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     timeout 120 python3 benchmarks/vllm_inprocess_state.py --out "$R/inprocess_state.json" >"$R/inprocess_state.log" 2>&1
     echo "inprocess_state rc=$?"; grep -A30 '"state_changed"' "$R/inprocess_state.json" | head -30
     model 0.5b /tmp/m05
-    step w_l34_one 200 --model /tmp/m05 --micro-batch 64 --steps 5 --out "$R/w_l34_one.json"
-    pack
-    step w_l34_two 240 --model /tmp/m05 --micro-batch 64 --steps 5 --separate-engine-process --engines 2 \
-      --out "$R/w_l34_two.json"
-    pack ;;
+    one_then_two w_l34 /tmp/m05 64 200 240 ;;
   merge34)
     # would merging q/k/v (and gate/up) into one product per layer pay in the update? Their products and the
     # backward's adds alone at W's and 1.5B's micro-batch shapes (benchmarks/merged_projections.py); no vLLM kit
@@ -985,11 +990,7 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     # 2.6-2.8 s step on earlier H100s: does the split pay where the update is half the step?)
     environment
     model 1.5b /tmp/m15
-    step w15_l32_one 260 --model /tmp/m15 --micro-batch 32 --steps 5 --out "$R/w15_l32_one.json"
-    pack
-    step w15_l32_two 300 --model /tmp/m15 --micro-batch 32 --steps 5 --separate-engine-process --engines 2 \
-      --out "$R/w15_l32_two.json"
-    pack ;;
+    one_then_two w15_l32 /tmp/m15 32 260 300 ;;
   tests31)
     # the fleet's GPU test (its syncs' paths and times) and the engine-apart one; the embedded GGUF joined
     # from /tmp/vg/g0, g1 (staged before) and the carried .vxg2, with gguf's wheel .vxw
