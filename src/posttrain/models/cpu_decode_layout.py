@@ -21,12 +21,12 @@ on a CPU decodes this way, so a run and its resume take the same draws.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
+
+from posttrain.models.precision import parameters_read_as
 
 __all__ = ["column_major_copy", "column_major_linears"]
 
@@ -44,30 +44,20 @@ def column_major_copy(weight: torch.Tensor) -> torch.Tensor:
     return copy
 
 
-@contextmanager
-def column_major_linears(model: nn.Module) -> Iterator[None]:
+def column_major_linears(model: nn.Module) -> AbstractContextManager[None]:
     """Inside, every fp32 CPU ``nn.Linear`` weight of ``model`` (a plain tensor, not a sharded one)
     reads as a column-major copy (tied weights share one copy); the parameters are back when it
     exits. Enter it under ``torch.no_grad`` or ``torch.inference_mode``: the copies are for sampling,
     not for training."""
-    copies: dict[int, torch.Tensor] = {}
-    swapped: list[tuple[dict[str, Any], torch.Tensor]] = []
-    try:
-        for module in model.modules():
-            if not isinstance(module, nn.Linear):
-                continue
-            slots: dict[str, Any] = module._parameters
-            weight = slots["weight"]
-            if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-                continue
-            if type(weight.data) is not torch.Tensor:  # a sharded (DTensor) or other subclass weight stays
-                continue
-            copy = copies.get(id(weight))
-            if copy is None:
-                copy = copies[id(weight)] = column_major_copy(weight)
-            swapped.append((slots, weight))
-            slots["weight"] = copy
-        yield
-    finally:
-        for slots, weight in reversed(swapped):
-            slots["weight"] = weight
+    return parameters_read_as(model, _column_major_weight)
+
+
+def _column_major_weight(module: nn.Module, name: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """The column-major copy of a plain fp32 CPU ``nn.Linear`` weight; None for any other slot."""
+    if not isinstance(module, nn.Linear) or name != "weight":
+        return None
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    if type(weight.data) is not torch.Tensor:  # a sharded (DTensor) or other subclass weight stays
+        return None
+    return column_major_copy(weight)

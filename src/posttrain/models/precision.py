@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     import torch
     from torch import nn
@@ -123,6 +123,26 @@ def compute_weights(model: nn.Module, precision: Precision) -> Iterator[None]:
     if not precision.mixed:
         yield
         return
+
+    def cast(_module: nn.Module, _name: str, param: torch.Tensor) -> torch.Tensor | None:
+        if param.dtype != precision.param_dtype or not param.is_floating_point():
+            return None
+        return param.to(precision.compute_dtype)
+
+    with parameters_read_as(model, cast):
+        yield
+
+
+@contextlib.contextmanager
+def parameters_read_as(
+    model: nn.Module, copy_of: Callable[[nn.Module, str, torch.Tensor], torch.Tensor | None]
+) -> Iterator[None]:
+    """Inside, each parameter slot of ``model`` for which ``copy_of(module, name, tensor)`` returns a
+    tensor reads as that tensor; ``None`` leaves the slot as it is. A parameter gets one copy, which
+    every slot holding it (tied weights) shares; a slot already swapped by an enclosing entry is passed
+    as the copy it holds. On exit, also after an exception, every slot holds its parameter again: the
+    parameters, their ``state_dict`` and the optimizer never see the copies. The one home of the swap
+    behind ``compute_weights`` and the CPU decode's column-major weights (``models/cpu_decode_layout.py``)."""
     copies: dict[int, torch.Tensor] = {}
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     try:
@@ -130,11 +150,14 @@ def compute_weights(model: nn.Module, precision: Precision) -> Iterator[None]:
             # typed as Parameters; a plain tensor there reads through Module.__getattr__ alike
             slots: dict[str, Any] = module._parameters
             for name, param in slots.items():
-                if param is None or param.dtype != precision.param_dtype or not param.is_floating_point():
+                if param is None:
                     continue
                 copy = copies.get(id(param))
-                if copy is None:
-                    copy = copies[id(param)] = param.to(precision.compute_dtype)
+                if copy is None:  # asked per slot until a copy is made: a tied weight may qualify in one module only
+                    made = copy_of(module, name, param)
+                    if made is None:
+                        continue
+                    copy = copies[id(param)] = made
                 swapped.append((slots, name, param))
                 slots[name] = copy
         yield
