@@ -37,6 +37,7 @@ from posttrain.policy.routing import RoutingReplay, batch_routing
 from posttrain.policy.shared_prefix import GroupedBatch, build_grouped_batch, grouped_completion_logprobs
 from posttrain.policy.train_batch import RoutingTrace, TrainBatch
 from posttrain.policy.trainer import PolicyTrainer, build_reference
+from tiny_models import tiny_qwen3_moe
 
 G = 2
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14], [15, 16, 17, 18]]
@@ -59,37 +60,12 @@ PARAM_ATOL = 2e-6
 SPAWN_TIMEOUT_S = 240.0
 
 
-def _moe() -> nn.Module:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=1000,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        mlp_only_layers=[],
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen3MoeForCausalLM(config)
-        for layer in model.model.layers:
-            nn.init.normal_(layer.mlp.gate.weight, std=0.5)  # separated scores: no fp32 near-ties
-    return model
-
-
 def _batch() -> TrainBatch:
     """The collected batch, its routing recorded by the sampler one sequence at a time."""
     gen = torch.Generator().manual_seed(0)
     comps = [torch.randint(30, 900, (n,), generator=gen).tolist() for n in LENGTHS]
     prompts = [p for p in PROMPTS for _ in range(G)]
-    sampler = _moe().eval()
+    sampler = tiny_qwen3_moe().eval()
     with torch.no_grad():
         for layer in sampler.model.layers:
             layer.mlp.gate.weight.add_(0.3 * torch.randn(layer.mlp.gate.weight.shape, generator=gen))
@@ -150,7 +126,7 @@ def _train(mesh: Any = None) -> dict[str, Any]:
     from posttrain.distributed.reference import shard_reference_for_world
 
     cfg = build_config(None, TRAIN)
-    model, batch, objective = _moe(), _batch(), grpo_objective(cfg)
+    model, batch, objective = tiny_qwen3_moe(), _batch(), grpo_objective(cfg)
     reference = build_reference(model, cfg, objective)
     if mesh is not None:
         dp = shard_policy(model, mesh)
@@ -170,7 +146,7 @@ def _worker(rank: int, world: int, out: str) -> None:
     init_process_group(init_method=f"file://{out}/store", rank=rank, world_size=world, timeout_s=60)
     try:
         mesh = build_dp_mesh(1)
-        model = _moe()
+        model = tiny_qwen3_moe()
         dp = shard_policy(model, mesh)
         cell = _cell(_batch(), dp.cell, mini_batch=len(LENGTHS))
         result: dict[str, Any] = {layout: _pinned_forward(model, cell, layout) for layout in LAYOUTS}
@@ -199,7 +175,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 def test_the_sampler_routes_elsewhere_than_the_policy() -> None:
     """The fixture has teeth: unpinned, the policy routes a good share of positions differently."""
-    batch, model = _batch(), _moe().eval()
+    batch, model = _batch(), tiny_qwen3_moe().eval()
     differ = total = 0
     for p, c, trace in zip(batch.prompt_ids, batch.completion_ids, batch.routing.experts):
         with record_routing(model) as rec, torch.no_grad():
@@ -214,7 +190,7 @@ def test_the_sampler_routes_elsewhere_than_the_policy() -> None:
 def test_each_ranks_pinned_forward_is_the_sampler_routing_and_one_process_logprobs(
     two_ranks: list[dict[str, Any]], layout: str
 ) -> None:
-    batch, model = _batch(), _moe()
+    batch, model = _batch(), tiny_qwen3_moe()
     for rank, result in enumerate(two_ranks):
         cell = _cell(batch, rank, mini_batch=len(LENGTHS))
         got = result[layout]
@@ -245,7 +221,7 @@ def test_a_replayed_update_on_two_ranks_matches_one_process(two_ranks: list[dict
     for key in ("train/loss_avg", "train/kl_mean", "train/grad_norm", "optim/step"):
         assert dist["metrics"][key] == pytest.approx(reference["metrics"][key], rel=1e-5, abs=1e-7), key
     assert two_ranks[1]["train"]["state"] == {}  # gathered on rank 0 only
-    initial = _moe().state_dict()
+    initial = tiny_qwen3_moe().state_dict()
     for name, ref in reference["state"].items():
         torch.testing.assert_close(dist["state"][name], ref, rtol=0, atol=PARAM_ATOL, msg=name)
     moved = {name for name, ref in reference["state"].items() if not torch.equal(ref, initial[name])}

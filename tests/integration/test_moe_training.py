@@ -20,6 +20,7 @@ from posttrain.models.tiny import make_tiny_moe_model
 from posttrain.policy.objective import grpo_objective
 from posttrain.policy.train_batch import RoutingTrace, TrainBatch
 from posttrain.policy.trainer import PolicyTrainer, build_reference
+from tiny_models import tiny_qwen3_moe
 
 
 def _checkpoint_state(iter_dir: Path) -> dict[str, torch.Tensor]:
@@ -61,31 +62,6 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 LENGTHS = [3, 5, 1, 4, 6, 2, 2, 3]
 
 
-def _moe() -> torch.nn.Module:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=1000,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        mlp_only_layers=[],
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen3MoeForCausalLM(config)
-        for layer in model.model.layers:
-            torch.nn.init.normal_(layer.mlp.gate.weight, std=0.5)  # separated scores: no fp32 near-ties
-    return model
-
-
 def _batch(traces: str) -> TrainBatch:
     """One collected batch; ``traces``: ``natural`` (the policy's own routing, recorded one sequence
     at a time as a sampler would) or ``random`` (experts the policy would not choose)."""
@@ -93,7 +69,7 @@ def _batch(traces: str) -> TrainBatch:
     comps = [torch.randint(30, 900, (n,), generator=gen).tolist() for n in LENGTHS]
     prompts = [p for p in PROMPTS for _ in range(G)]
     experts = []
-    model = _moe().eval()
+    model = tiny_qwen3_moe().eval()
     for p, c in zip(prompts, comps):
         if traces == "natural":
             with record_routing(model) as rec, torch.no_grad():
@@ -115,7 +91,7 @@ def _batch(traces: str) -> TrainBatch:
 def _train(batch: TrainBatch, overrides: list[str]) -> tuple[list[torch.Tensor], dict[str, float]]:
     torch.manual_seed(0)
     cfg = build_config(None, ["rl.batch_per_replica=8", f"rl.group_size={G}", "rl.optimizer.lr=1e-2", *overrides])
-    model = _moe()
+    model = tiny_qwen3_moe()
     objective = grpo_objective(cfg)
     trainer = PolicyTrainer(model, cfg, objective=objective, pad_id=0, ref_model=build_reference(model, cfg, objective))
     metrics = trainer.train_on(batch, step=1)
