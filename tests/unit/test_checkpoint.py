@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import tiny_models
 import torch
 from torch import nn
 
+import tiny_models
 from posttrain.checkpoint import (
     CheckpointError,
     CheckpointWriter,

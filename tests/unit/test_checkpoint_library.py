@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tiny_models
 import torch
 from torch import nn
 
+import tiny_models
 from posttrain.checkpoint import (
     CheckpointError,
     CheckpointWriter,

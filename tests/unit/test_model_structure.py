@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import tiny_llama
 from torch import Tensor, nn
 
 from posttrain.models.structure import body_hidden_states, rows_not_packed, split_body_and_head
+from tiny_models import tiny_llama
 
 PACKED_L = torch.tensor([[0, 1, 2, 0, 1]])
 
