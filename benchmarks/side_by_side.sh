@@ -128,6 +128,7 @@
 #          lease32c the 1.5B shape on one engine, then two; lease32s lease32's first two arms, five steps each
 #   lease34 what an in-process engine changes in the process (vllm_inprocess_state.py), then W on one engine in the
 #          trainer's process and on two engines apart, five steps each (a short lease)
+#   lease35 lease34's W pair in the other order: two engines apart first, then one in the trainer's process
 #   merge34 merged q/k/v and gate/up products against separate ones, alone (benchmarks/merged_projections.py; no kit)
 #   norm32 the RMSNorm kernels' GPU test with Qwen2 and Qwen3 policies beside Llama's (no vLLM kit; carry .whl)
 #   sync31 two engines' first weight sync at once, one after the other, at once after 16 GiB was cached by
@@ -279,14 +280,21 @@ w_engines() {  # NAME TIMEOUT N: W in whole steps on N vLLM engines (1: in the t
   step "$name" "$limit" --model /tmp/m05 --micro-batch 64 --steps 6 "${apart[@]}" --out "$R/$name.json"
   pack
 }
-one_then_two() {  # NAME MODEL MICRO LIMIT_ONE LIMIT_TWO: five steps on one engine in the trainer's process
-  # (NAME_one), then five on two engines apart (NAME_two), each packed
-  local name=$1 model=$2 micro=$3
-  step "${name}_one" "$4" --model "$model" --micro-batch "$micro" --steps 5 --out "$R/${name}_one.json"
+engine_arm() {  # NAME MODEL MICRO LIMIT ENGINES: five steps on one engine in the trainer's process (ENGINES=1)
+  # or on ENGINES engines apart, packed after
+  local name=$1 model=$2 micro=$3 limit=$4 engines=$5 apart=()
+  [ "$engines" -gt 1 ] && apart=(--separate-engine-process --engines "$engines")
+  step "$name" "$limit" --model "$model" --micro-batch "$micro" --steps 5 "${apart[@]}" --out "$R/$name.json"
   pack
-  step "${name}_two" "$5" --model "$model" --micro-batch "$micro" --steps 5 --separate-engine-process --engines 2 \
-    --out "$R/${name}_two.json"
-  pack
+}
+one_then_two() {  # NAME MODEL MICRO LIMIT_ONE LIMIT_TWO: NAME_one on one engine in the trainer's process, then
+  # NAME_two on two engines apart
+  engine_arm "${1}_one" "$2" "$3" "$4" 1
+  engine_arm "${1}_two" "$2" "$3" "$5" 2
+}
+two_then_one() {  # the same pair in the other order (an order effect shows as a pair that flips)
+  engine_arm "${1}_two" "$2" "$3" "$5" 2
+  engine_arm "${1}_one" "$2" "$3" "$4" 1
 }
 offpolicy_w() {  # one-step off-policy W with the engine core apart and compiled layers (offp26, offp27)
   environment
@@ -967,6 +975,12 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     echo "inprocess_state rc=$?"; grep -A30 '"state_changed"' "$R/inprocess_state.json" | head -30
     model 0.5b /tmp/m05
     one_then_two w_l34 /tmp/m05 64 200 240 ;;
+  lease35)
+    # lease34's W pair in the other order, two engines apart first (the thirty-fifth session ran it after lease34
+    # on one warm H100: one engine 1.85 then 1.80 s, two 1.96 then 1.77 s, so no order-free winner)
+    environment
+    model 0.5b /tmp/m05
+    two_then_one w_l35 /tmp/m05 64 200 240 ;;
   merge34)
     # would merging q/k/v (and gate/up) into one product per layer pay in the update? Their products and the
     # backward's adds alone at W's and 1.5B's micro-batch shapes (benchmarks/merged_projections.py); no vLLM kit

@@ -85,9 +85,10 @@ class RolloutConfig(Section):
     engines_per_device: int = Field(1, ge=1, le=8)
     """vLLM: engines sharing the device, each with its engine core in a process of its own (needs
     ``separate_engine_process=true``); each call's prompts are split between them and each engine gets
-    ``gpu_memory_utilization / N``, so their host-bound decode scheduling runs in parallel (W's step on an
-    H100: 1.99-2.01 s with 2, 2.21-2.74 s with 1; on a slower host 2.49 s against 3.80 s; each engine
-    starts in a process of its own, about 45 s more, and holds the whole model; 4 were slower). Each
+    ``gpu_memory_utilization / N``, so their host-bound decode scheduling runs in parallel. It pays where one
+    engine's host is slow (W's step on two H100 hosts: 1.99-2.01 s with 2 against 2.21-2.74 s with 1, and
+    2.49 s against 3.80 s) and not where it is fast (1.77-1.96 s against 1.80-1.85 s); each engine starts in
+    a process of its own, about 15-45 s more, and holds the whole model; 4 were slower. Each
     prompt is seeded by its place in the whole call, so the seeds do not depend on N (on the CPU neither
     do the draws; a GPU's kernels may round differently per batch size). Plain text policies (no LoRA,
     images, routing)."""
