@@ -273,19 +273,15 @@ head24_tests() {  # TIMEOUT: the Triton head's GPU tests, the fused kernels' (th
   gpu_test_files head24a_gpu "$1" tests/gpu/test_logprob_head_gpu.py tests/gpu/test_fused_kernels_gpu.py \
     tests/gpu/test_gpu_smoke.py::test_the_body_forward_of_padded_rows_makes_no_host_sync
 }
-w_engines() {  # NAME TIMEOUT N: W in whole steps on N vLLM engines (1: in the trainer's process; more: each
-  # engine core in a process of its own, rollout.engines_per_device=N), then everything packed
-  local name=$1 limit=$2 n=$3 apart=()
-  [ "$n" -gt 1 ] && apart=(--separate-engine-process --engines "$n")
-  step "$name" "$limit" --model /tmp/m05 --micro-batch 64 --steps 6 "${apart[@]}" --out "$R/$name.json"
+engine_arm() {  # NAME MODEL MICRO LIMIT ENGINES [STEPS]: STEPS (5) steps on one engine in the trainer's process
+  # (ENGINES=1) or on ENGINES engines, each core in a process of its own (rollout.engines_per_device), packed after
+  local name=$1 model=$2 micro=$3 limit=$4 engines=$5 steps=${6:-5} apart=()
+  [ "$engines" -gt 1 ] && apart=(--separate-engine-process --engines "$engines")
+  step "$name" "$limit" --model "$model" --micro-batch "$micro" --steps "$steps" "${apart[@]}" --out "$R/$name.json"
   pack
 }
-engine_arm() {  # NAME MODEL MICRO LIMIT ENGINES: five steps on one engine in the trainer's process (ENGINES=1)
-  # or on ENGINES engines apart, packed after
-  local name=$1 model=$2 micro=$3 limit=$4 engines=$5 apart=()
-  [ "$engines" -gt 1 ] && apart=(--separate-engine-process --engines "$engines")
-  step "$name" "$limit" --model "$model" --micro-batch "$micro" --steps 5 "${apart[@]}" --out "$R/$name.json"
-  pack
+w_engines() {  # NAME TIMEOUT N: W in six whole steps on N vLLM engines (the thirtieth to thirty-second sessions')
+  engine_arm "$1" /tmp/m05 64 "$2" "$3" 6
 }
 one_then_two() {  # NAME MODEL MICRO LIMIT_ONE LIMIT_TWO: NAME_one on one engine in the trainer's process, then
   # NAME_two on two engines apart
