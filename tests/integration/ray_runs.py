@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-E2E_DIR = Path(__file__).parent.parent / "fixtures" / "e2e"
+from rank_runs import E2E_DIR
+
 RUN_TIMEOUT_S = 240
 
 

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 pytest.importorskip("peft", reason="peft is not installed (pip install 'posttrain[lora]')")
+
+from rank_runs import run_two_ranks
 
 from posttrain.config.loading import build_config
 from posttrain.config.schema import GRPOConfig
@@ -226,26 +225,13 @@ def test_lora_run_checkpoints_resume_exactly_and_export_merges(
     torch.testing.assert_close(_logprobs(merged, batch), _logprobs(policy, batch), atol=1e-5, rtol=0)
 
 
-def _torchrun(module: str, args: list[str]) -> subprocess.CompletedProcess[str]:
-    """Two gloo ranks (``torch.distributed.run --standalone --nproc-per-node 2``), bounded."""
-    e2e = Path(__file__).parent.parent / "fixtures" / "e2e"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(e2e), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop("WORLD_SIZE", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", module]
-    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=180, env=env, check=False)
-
-
 def test_two_gloo_ranks_train_lora_and_resume(
     tiny_model_dir: str, tmp_path: Path, run_overrides: Callable[..., list[str]]
 ) -> None:
     two = ["grid.shapes.policy=[1,2]", "grid.collective_timeout_s=60"]
     kl = ["rl.kl_beta=0.1", "rl.ref.build_ref=true", "rl.kl_coeff_clamp=5"]
     overrides = run_overrides(tiny_model_dir, tmp_path, "two", *LORA, *two, *kl, "rl.max_steps=3")
-    res = _torchrun("posttrain.entrypoints.grpo", ["--", *overrides, "rl.save_every=2"])
+    res = run_two_ranks("posttrain.entrypoints.grpo", ["--", *overrides, "rl.save_every=2"], timeout_s=180)
     assert res.returncode == 0, res.stderr[-3000:]
     (run_dir,) = (tmp_path / "posttrain" / "grpo" / "two").iterdir()
     frames = _frames(run_dir)
@@ -253,9 +239,10 @@ def test_two_gloo_ranks_train_lora_and_resume(
     assert all(math.isfinite(f["train/loss_avg"]) and f["train/grad_norm"] > 0 for f in frames)
     assert frames[0]["train/kl_mean"] == pytest.approx(0.0, abs=1e-6)  # B = 0: the policy is its base
     assert frames[2]["train/kl_mean"] > 0
-    resumed = _torchrun(
+    resumed = run_two_ranks(
         "posttrain.entrypoints.grpo",
         ["--", *overrides, f"rl.resume={run_dir / 'checkpoints' / 'iter_000000002'}", "job.name=resumed"],
+        timeout_s=180,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (again_dir,) = (tmp_path / "posttrain" / "grpo" / "resumed").iterdir()

@@ -19,15 +19,13 @@ mark it ``.uploaded`` before retention prunes it.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ray_runs import E2E_DIR, RUN_TIMEOUT_S, run_driver
+from rank_runs import run_two_ranks
+from ray_runs import RUN_TIMEOUT_S, run_driver
 from upload_checks import check_uploads
 
 pytest.importorskip("ray")
@@ -38,19 +36,6 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8", "rl.optimizer.lr=1e-2"]
 TWO = ["grid.shapes.policy=[1,2]", "grid.collective_timeout_s=60"]
 RAY = ["grid.backend=ray", "grid.gpu_placement=disaggregated", "rl.weight_sync_transport=nccl"]
 ADAPTER_TENSORS = 28  # the tiny model's 2 layers x 7 linear layers x (lora_A, lora_B)
-
-
-def _torchrun(args: list[str]) -> subprocess.CompletedProcess[str]:
-    """The same run under ``grid.backend=local``: 2 gloo ranks, the environment of ``run_driver``."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(E2E_DIR), os.environ.get("PYTHONPATH", "")) if p),
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop("WORLD_SIZE", None)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command = [*launch, "-m", "posttrain.entrypoints.grpo", "--", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, check=False)
 
 
 def _frames(run_dir: Path) -> list[dict[str, float]]:
@@ -69,7 +54,7 @@ def test_lora_under_ray_syncs_the_adapter_alone_equals_local_and_resumes_from_th
     upload = ["rl.upload.enabled=true", f"rl.upload.destination={archive}", "rl.upload.required=true"]
     keep = ["rl.save_every=1", "rl.keep_model_last=1"]
     overrides = run_overrides(tiny_model_dir, tmp_path / "out", "lora", *LORA, *TWO, "rl.max_steps=3", *keep, *upload)
-    local = _torchrun(overrides)
+    local = run_two_ranks("posttrain.entrypoints.grpo", ["--", *overrides], timeout_s=RUN_TIMEOUT_S)
     assert local.returncode == 0, local.stderr[-3000:]
     job = tmp_path / "out" / "posttrain" / "grpo" / "lora"
     (first,) = job.iterdir()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rank_runs import run_two_ranks
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -162,24 +163,11 @@ def test_grpo_steps_on_a_moe_policy_with_two_gloo_ranks(
 ) -> None:
     """torchrun, two FSDP2 policy ranks (each shards the stacked expert parameters as it shards any
     other): both ranks train, the gathered checkpoint's experts and routers moved."""
-    import os
-    import sys
 
     model_dir = make_tiny_moe_model(str(tmp_path / "m"), smollm2_tokenizer_dir)
     two_ranks = ("grid.shapes.policy=[1,2]", "grid.collective_timeout_s=60", "rl.max_steps=2", "rl.save_every=2")
     args = run_overrides(model_dir, tmp_path / "out", "moe_two", *two_ranks)
-    e2e = str(Path(__file__).parent.parent / "fixtures" / "e2e")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([e2e, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    res = subprocess.run(
-        [*command, "-m", "posttrain.entrypoints.grpo", "--", *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        check=False,
-    )
+    res = run_two_ranks("posttrain.entrypoints.grpo", ["--", *args], timeout_s=180)
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = next((tmp_path / "out" / "posttrain" / "grpo").glob("*/*"))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

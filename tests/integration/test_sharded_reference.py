@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from rank_runs import run_two_ranks
 
 from posttrain.config.loading import build_config
 from posttrain.distributed.cells import cell_rows, take_rows
@@ -216,9 +215,6 @@ def test_one_process_keeps_the_reference_as_built(tiny_model_dir: str) -> None:
     assert shard_reference_for_world(None, SingleProcess()) is None
 
 
-E2E_DIR = Path(__file__).parent.parent / "fixtures" / "e2e"
-
-
 @pytest.mark.slow
 def test_kl_run_under_torchrun_two_ranks(tiny_model_dir: str, tmp_path: Path) -> None:
     """The loop's wiring (``start_run``): a kl_beta > 0 run of 2 steps on 2 ranks. Step 1's KL is
@@ -240,18 +236,7 @@ def test_kl_run_under_torchrun_two_ranks(tiny_model_dir: str, tmp_path: Path) ->
         "grid.shapes.policy=[1,2]",
         "grid.collective_timeout_s=60",
     ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(E2E_DIR), os.environ.get("PYTHONPATH", "")])}
-    env["OMP_NUM_THREADS"] = "1"
-    env.pop("WORLD_SIZE", None)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    res = subprocess.run(
-        [*launch, "-m", "posttrain.entrypoints.grpo", "--", *overrides],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
+    res = run_two_ranks("posttrain.entrypoints.grpo", ["--", *overrides], timeout_s=120)
     assert res.returncode == 0, res.stderr[-3000:]
     (run_dir,) = (tmp_path / "posttrain" / "grpo" / "kl2").iterdir()
     frames = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

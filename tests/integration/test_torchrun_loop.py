@@ -22,38 +22,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from rank_runs import run_two_ranks
 from upload_checks import check_uploads
 
-E2E_DIR = Path(__file__).parent.parent / "fixtures" / "e2e"
 LAUNCH_TIMEOUT_S = 120
 TWO_RANKS = ["grid.shapes.policy=[1,2]", "grid.collective_timeout_s=60"]
 
 
 def _torchrun(module: str, args: list[str], extra_path: str = "") -> subprocess.CompletedProcess[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node 2 -m MODULE ARGS`` (bounded)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(E2E_DIR), extra_path, os.environ.get("PYTHONPATH", "")) if p),
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop("WORLD_SIZE", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    return subprocess.run(
-        [*command, "-m", module, *args],
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT_S,
-        env=env,
-        check=False,
-    )
+    return run_two_ranks(module, args, timeout_s=LAUNCH_TIMEOUT_S, extra_path=extra_path)
 
 
 def _frames(run_dir: Path) -> list[dict[str, float]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rank_runs import run_two_ranks
 from safetensors.torch import load_file
 
 from posttrain.entrypoints.opd import main as opd_main
@@ -156,22 +157,9 @@ def test_cross_token_multimodal_dpca_run(pair: Path, tmp_path: Path) -> None:
 def test_multimodal_opd_under_two_gloo_ranks(pair: Path, tmp_path: Path) -> None:
     """The real entrypoint under ``torchrun`` with two policy ranks: each rank samples its data cell's
     image prompts and its own in-process teacher scores them; the metrics cover the whole batch."""
-    import os
-    import subprocess
-    import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
     overrides = _overrides(pair, tmp_path, "two", "rl.max_steps=2", "grid.shapes.policy=[1,2]")
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    res = subprocess.run(
-        [*launch, "-m", "posttrain.entrypoints.opd", "--", *overrides, "grid.collective_timeout_s=60"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
+    res = run_two_ranks("posttrain.entrypoints.opd", ["--", *overrides, "grid.collective_timeout_s=60"], timeout_s=300)
     assert res.returncode == 0, res.stderr[-3000:]
     (run_dir,) = (tmp_path / "posttrain" / "opd" / "two").iterdir()
     frames = _frames(run_dir)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from rank_runs import run_two_ranks
 
 from posttrain.config.loading import build_config
 from posttrain.distributed.cells import cell_rows, take_rows
@@ -157,14 +158,8 @@ def test_multimodal_run_under_torchrun_syncs_the_whole_policy_to_each_engine(
     policy and receives the gathered weights, vision tower included, after every update; step 2's
     sampler logprobs agreeing with the trainer's proves the copy holds update 1's weights."""
     import json
-    import subprocess
-    import sys
 
     path = runs[0]
-    e2e = Path(__file__).parent.parent / "fixtures" / "e2e"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(e2e), os.environ.get("PYTHONPATH", "")])}
-    env.pop("WORLD_SIZE", None)
-    env["OMP_NUM_THREADS"] = "1"
     overrides = [
         f"model.name_or_path={path}",
         f"job.output_root={tmp_path}",
@@ -179,15 +174,7 @@ def test_multimodal_run_under_torchrun_syncs_the_whole_policy_to_each_engine(
         "grid.shapes.policy=[1,2]",
         "grid.collective_timeout_s=60",
     ]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    res = subprocess.run(
-        [*launch, "-m", "posttrain.entrypoints.grpo", "--", *overrides],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        check=False,
-    )
+    res = run_two_ranks("posttrain.entrypoints.grpo", ["--", *overrides], timeout_s=180)
     assert res.returncode == 0, res.stderr[-3000:]
     (run_dir,) = (tmp_path / "posttrain" / "grpo" / "two").iterdir()
     frames = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

