@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from weight_sets import mixed_weight_set
 
 from posttrain.config.loading import build_config
 from posttrain.distributed import weight_sync
@@ -39,19 +40,6 @@ from posttrain.preflight.findings import Findings
 MISSING = missing_library()
 needs_nixl = pytest.mark.skipif(MISSING is not None, reason=f"NIXL cannot run here: {MISSING}")
 CPU = torch.device("cpu")
-
-
-def _tensors() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {
-        "embed.weight": torch.randn(7, 5, generator=gen),  # 140 bytes
-        "layer.0.bias": torch.randn(3, generator=gen).to(torch.bfloat16),  # 6 bytes
-        "big": torch.randn(40, generator=gen, dtype=torch.float64),  # 320 bytes: over the bucket alone
-        "scalar": torch.tensor(2.5),  # 0-dim: 4 bytes
-        "empty": torch.empty(0, 4),  # no bytes
-        "steps": torch.arange(6, dtype=torch.int64).reshape(2, 3),  # 48 bytes
-        "strided": torch.randn(4, 6, generator=gen).t(),  # not contiguous: 96 bytes
-    }
 
 
 def _layout(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -73,7 +61,7 @@ def test_checksum_matches_a_reference_and_sees_moved_words() -> None:
 
 
 def test_coverage_names_what_is_missing_extra_or_different() -> None:
-    sent = _tensors()
+    sent = mixed_weight_set()
     meta = weight_sync.describe(sent)
     check_coverage(meta, _layout(sent))  # the same model: covered
     layout = _layout(sent)
@@ -96,17 +84,17 @@ def test_coverage_names_what_is_missing_extra_or_different() -> None:
 @needs_nixl
 def test_a_coverage_failure_refuses_before_any_buffer_is_registered() -> None:
     receiver = NixlReceiver()
-    wrong = _layout(_tensors()) | {"big": ((41,), "float64")}
+    wrong = _layout(mixed_weight_set()) | {"big": ((41,), "float64")}
     with pytest.raises(TrainingError, match="do not cover the rollout replica's model"):
-        receiver.prepare(weight_sync.describe(_tensors()), CPU, 160, wrong)
+        receiver.prepare(weight_sync.describe(mixed_weight_set()), CPU, 160, wrong)
     assert receiver.buffer is None and receiver.destination is None
 
 
 def _replica(bucket_bytes: int, version: int, to_owner: Any, to_test: Any) -> None:
     """The replica's process: prepare, hand the destination over, wait for the version."""
     receiver = NixlReceiver()
-    meta = weight_sync.describe(_tensors())
-    to_owner.put(receiver.prepare(meta, CPU, bucket_bytes, _layout(_tensors())))
+    meta = weight_sync.describe(mixed_weight_set())
+    to_owner.put(receiver.prepare(meta, CPU, bucket_bytes, _layout(mixed_weight_set())))
     try:
         got = receiver.wait(meta, version, min_bandwidth_gbps=1.0, probe=True, floor_s=2.0)
         payload = io.BytesIO()  # as bytes: no shared-memory handle that outlives this process
@@ -124,7 +112,7 @@ def _run_pair(bucket_bytes: int, first_buckets: int | None = None) -> Any:
     try:
         destination = to_owner.get(timeout=60)
         sender = NixlSender()
-        sent = _tensors()
+        sent = mixed_weight_set()
         sender.send(
             sent, weight_sync.describe(sent), destination, 3, bucket_bytes=bucket_bytes, first_buckets=first_buckets
         )
@@ -141,7 +129,7 @@ def _run_pair(bucket_bytes: int, first_buckets: int | None = None) -> Any:
 @pytest.mark.parametrize("bucket_bytes", [160, 1, weight_sync.BUCKET_BYTES])
 def test_nixl_writes_arrive_bitwise_between_two_processes(bucket_bytes: int) -> None:
     got = _run_pair(bucket_bytes)
-    sent = _tensors()
+    sent = mixed_weight_set()
     assert isinstance(got, dict) and list(got) == list(sent)
     for name, tensor in sent.items():
         assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
@@ -225,7 +213,7 @@ def test_the_replica_actor_stamps_only_a_complete_transfer(
 def test_the_probe_refuses_a_bucket_whose_bytes_changed_after_landing() -> None:
     # both ends driven in turn by this thread: NIXL's progress threads move what nobody polls
     receiver, sender = NixlReceiver(progress_thread=True), NixlSender(progress_thread=True)
-    sent = _tensors()
+    sent = mixed_weight_set()
     meta = weight_sync.describe(sent)
     for probe in (True, False):
         destination = receiver.prepare(meta, CPU, 160, _layout(sent))
@@ -247,7 +235,7 @@ def test_a_replica_that_registers_a_new_buffer_still_receives_bitwise() -> None:
     """A new list (here: another bucket size) makes the replica register a new buffer, and the owner
     load the replica's new metadata."""
     receiver, sender = NixlReceiver(progress_thread=True), NixlSender(progress_thread=True)
-    sent = _tensors()
+    sent = mixed_weight_set()
     meta = weight_sync.describe(sent)
     for version, bucket_bytes in enumerate((160, 1, 160), start=1):
         destination = receiver.prepare(meta, CPU, bucket_bytes, _layout(sent))

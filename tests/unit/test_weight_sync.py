@@ -9,25 +9,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from gloo_ranks import free_port
+from weight_sets import mixed_weight_set
 
 from posttrain.distributed import weight_sync
 
 
-def _tensors() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {
-        "embed.weight": torch.randn(7, 5, generator=gen),  # 140 bytes
-        "layer.0.bias": torch.randn(3, generator=gen).to(torch.bfloat16),  # 6 bytes
-        "big": torch.randn(40, generator=gen, dtype=torch.float64),  # 320 bytes: over the bucket alone
-        "scalar": torch.tensor(2.5),  # 0-dim: 4 bytes
-        "empty": torch.empty(0, 4),  # no bytes
-        "steps": torch.arange(6, dtype=torch.int64).reshape(2, 3),  # 48 bytes
-        "strided": torch.randn(4, 6, generator=gen).t(),  # not contiguous: 96 bytes
-    }
-
-
 def test_plan_buckets_hand_values() -> None:
-    meta = weight_sync.describe(_tensors())
+    meta = weight_sync.describe(mixed_weight_set())
     # bytes in order, padded to 16: 144, 16, 320, 16, 0, 48, 96; buckets of at most 160 bytes, a
     # larger tensor alone
     assert weight_sync.plan_buckets(meta, 160) == [[0, 1], [2], [3, 4, 5, 6]]
@@ -38,7 +26,7 @@ def test_plan_buckets_hand_values() -> None:
 
 def _replica(port: int, bucket_bytes: int, queue: mp.Queue) -> None:
     group = weight_sync.pair_group("127.0.0.1", port, 1, timeout_s=60)
-    got = weight_sync.receive(group, weight_sync.describe(_tensors()), torch.device("cpu"), bucket_bytes)
+    got = weight_sync.receive(group, weight_sync.describe(mixed_weight_set()), torch.device("cpu"), bucket_bytes)
     # As bytes: a tensor put on a torch queue travels as a file descriptor the receiver fetches from
     # this process, which may have exited by then (seen under load: ConnectionResetError).
     payload = io.BytesIO()
@@ -54,7 +42,7 @@ def test_send_receive_bitwise_over_gloo(bucket_bytes: int) -> None:
     proc = ctx.Process(target=_replica, args=(port, bucket_bytes, queue))
     proc.start()
     group = weight_sync.pair_group("127.0.0.1", port, 0, timeout_s=60)
-    sent = _tensors()
+    sent = mixed_weight_set()
     weight_sync.send(group, sent, bucket_bytes)
     got = torch.load(io.BytesIO(queue.get(timeout=60)))
     proc.join(timeout=60)
