@@ -157,7 +157,6 @@ def test_cross_token_multimodal_dpca_run(pair: Path, tmp_path: Path) -> None:
 def test_multimodal_opd_under_two_gloo_ranks(pair: Path, tmp_path: Path) -> None:
     """The real entrypoint under ``torchrun`` with two policy ranks: each rank samples its data cell's
     image prompts and its own in-process teacher scores them; the metrics cover the whole batch."""
-
     overrides = _overrides(pair, tmp_path, "two", "rl.max_steps=2", "grid.shapes.policy=[1,2]")
     res = run_two_ranks("posttrain.entrypoints.opd", ["--", *overrides, "grid.collective_timeout_s=60"], timeout_s=300)
     assert res.returncode == 0, res.stderr[-3000:]
