@@ -163,7 +163,6 @@ def test_grpo_steps_on_a_moe_policy_with_two_gloo_ranks(
 ) -> None:
     """torchrun, two FSDP2 policy ranks (each shards the stacked expert parameters as it shards any
     other): both ranks train, the gathered checkpoint's experts and routers moved."""
-
     model_dir = make_tiny_moe_model(str(tmp_path / "m"), smollm2_tokenizer_dir)
     two_ranks = ("grid.shapes.policy=[1,2]", "grid.collective_timeout_s=60", "rl.max_steps=2", "rl.save_every=2")
     args = run_overrides(model_dir, tmp_path / "out", "moe_two", *two_ranks)
