@@ -963,7 +963,7 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     pack ;;
   lease34)
     # a short lease's W pair: one engine in the trainer's process, then two engines apart (the fleet with the
-    # thirty-first session's mended first sync, not yet run in whole steps), five steps each; first, what an
+    # thirty-first session's mended first sync, first run in whole steps here, 2026-12-07), five steps each; first, what an
     # in-process engine changes in the trainer's process on CUDA (benchmarks/vllm_inprocess_state.py)
     environment
     device_info
