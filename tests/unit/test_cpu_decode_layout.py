@@ -87,3 +87,56 @@ def test_the_blockwise_copy_holds_every_value_column_major(rows: int) -> None:
     assert copy.shape == weight.shape and copy.stride() == (1, rows)
     assert torch.equal(copy, weight)
     assert copy.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+
+
+def test_auto_decodes_column_major_on_an_intel_cpu_with_mkl_only() -> None:
+    from posttrain.models.cpu_decode_layout import column_major_choice
+
+    assert column_major_choice("auto", vendor="GenuineIntel", mkl=True) == (
+        True,
+        "rollout.cpu_weight_layout=auto: column_major (an Intel CPU with MKL)",
+    )
+    assert column_major_choice("auto", vendor="AuthenticAMD", mkl=True) == (
+        False,
+        "rollout.cpu_weight_layout=auto: row_major (the CPU is AuthenticAMD, not Intel)",
+    )
+    assert column_major_choice("auto", vendor="GenuineIntel", mkl=False) == (
+        False,
+        "rollout.cpu_weight_layout=auto: row_major (torch has no MKL)",
+    )
+    for vendor in ("GenuineIntel", "AuthenticAMD"):  # a setting other than auto is taken as set
+        assert column_major_choice("column_major", vendor=vendor, mkl=True)[0] is True
+        assert column_major_choice("row_major", vendor=vendor, mkl=True)[0] is False
+
+
+def test_this_machines_vendor_is_read_from_cpuinfo() -> None:
+    from posttrain.models.cpu_decode_layout import cpu_vendor
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo here")
+    vendor_lines = [line for line in cpuinfo.read_text().splitlines() if line.startswith("vendor_id")]
+    if not vendor_lines:
+        pytest.skip("this CPU's /proc/cpuinfo names no vendor_id (not x86)")
+    assert cpu_vendor() == vendor_lines[0].split(":", 1)[1].strip()
+
+
+@pytest.mark.parametrize("layout", ["row_major", "column_major"])
+def test_the_engine_decodes_with_the_weights_in_the_layout_set(
+    layout: str, smollm2_tokenizer_dir: str, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from posttrain.rollout.base import SamplingParams
+    from posttrain.rollout.hf_engine import HFRolloutEngine
+
+    model = _tiny_tied_llama(smollm2_tokenizer_dir, tmp_path)
+    head = model.lm_head.weight
+    strides: list[tuple[int, ...]] = []
+    model.lm_head.register_forward_pre_hook(lambda module, args: strides.append(module.weight.stride()))
+    engine = HFRolloutEngine(model, AutoTokenizer.from_pretrained(smollm2_tokenizer_dir), cpu_weight_layout=layout)
+    assert engine.weight_layout_note == f"rollout.cpu_weight_layout={layout}"
+    engine.generate([[5, 9, 2], [7, 3]], 2, SamplingParams(max_tokens=3, seed=0))
+    expected = (1, head.shape[0]) if layout == "column_major" else head.stride()
+    assert strides and set(strides) == {expected}  # the prefill and every decode step
+    assert model.lm_head.weight is head

@@ -52,6 +52,14 @@ class RolloutConfig(Section):
     W's step 0.23-0.43 s slower on two H200s, 0.40 s on an H100 (docs/benchmarks.md)."""
     batch_size: int = Field(256, ge=1)
     """Most sequences the hf engine decodes at once."""
+    cpu_weight_layout: Literal["auto", "row_major", "column_major"] = "auto"
+    """The hf engine on a CPU: the layout its fp32 linear weights are read in while it decodes (a copy per
+    ``generate`` call; the parameters stay row-major). ``column_major`` hands MKL its "NN" kernel for the few
+    rows of a decode step: on an Intel Xeon 1.5-10x faster per product, the default job's rollout call
+    23-30 % faster. ``auto``: ``column_major`` on an Intel CPU with torch's MKL, else ``row_major`` (on an
+    AMD EPYC no product was much faster, the head's 1.1-1.5x slower and the call 6 % slower;
+    models/cpu_decode_layout.py). The two
+    round differently, so they draw differently: a run and its resume on one machine read the same."""
 
     @field_validator("sampler_logprobs_samples")
     @classmethod

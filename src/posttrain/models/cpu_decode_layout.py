@@ -15,20 +15,29 @@ it is entered, as ``precision.compute_weights`` swaps in compute-dtype copies: t
 per ``generate`` call on a CPU: one transposing copy per weight (about 0.2 s for SmolLM2-135M's 134M
 linear weights on that machine, and as much memory again as those weights while the call runs),
 against about 0.5-1.5 s less in the call's products. The products are the same up to rounding
-(MKL's two kernels sum in different orders), so the draws differ from a row-major run's; every run
-on a CPU decodes this way, so a run and its resume take the same draws.
+(MKL's two kernels sum in different orders), so the draws differ from a row-major run's.
+
+Whether it pays depends on the processor (``rollout.cpu_weight_layout``): on a 2-core AMD EPYC with AVX2
+(2026-12-07, the same torch and MKL) no product was more than 1.3x faster column-major, the head's
+(576 x 49,152) 1.1-1.5x *slower* at 4-64 rows, and the default job's rollout call 6 % slower (medians of 8
+interleaved calls, 3.78 s against 3.55 s; ``docs/benchmarks.md``, thirty-sixth session). ``auto``
+therefore decodes column-major only on an Intel CPU with torch's MKL: a rule of the machine, not of a
+timing, so a run and its resume on one machine take the same draws.
 """
 
 from __future__ import annotations
 
+import functools
+import platform
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from posttrain.models.precision import parameters_read_as
 
-__all__ = ["column_major_copy", "column_major_linears"]
+__all__ = ["column_major_choice", "column_major_copy", "column_major_linears", "cpu_vendor"]
 
 _COPY_ROWS = 256
 """Rows of the weight per transposing copy: in blocks the copy stays in cache and runs about twice as
@@ -61,3 +70,29 @@ def _column_major_weight(module: nn.Module, name: str, weight: torch.Tensor) -> 
     if type(weight.data) is not torch.Tensor:  # a sharded (DTensor) or other subclass weight stays
         return None
     return column_major_copy(weight)
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...) from ``/proc/cpuinfo``; where
+    there is none (not Linux), ``platform.processor()``, or ``unknown``."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "unknown"
+    vendors = [line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id") and ":" in line]
+    return vendors[0] if vendors else platform.processor() or "unknown"
+
+
+def column_major_choice(setting: str, *, vendor: str | None = None, mkl: bool | None = None) -> tuple[bool, str]:
+    """``rollout.cpu_weight_layout``: whether the transformers engine decodes on a CPU with column-major
+    weights, and why (for the log). ``auto`` is column-major on an Intel CPU (``vendor``: this machine's
+    unless given) with torch's MKL (``mkl``: whether this torch has it, unless given)."""
+    if setting != "auto":
+        return setting == "column_major", f"rollout.cpu_weight_layout={setting}"
+    vendor = cpu_vendor() if vendor is None else vendor
+    mkl = torch.backends.mkl.is_available() if mkl is None else mkl
+    if vendor == "GenuineIntel" and mkl:
+        return True, "rollout.cpu_weight_layout=auto: column_major (an Intel CPU with MKL)"
+    why = "torch has no MKL" if vendor == "GenuineIntel" else f"the CPU is {vendor}, not Intel"
+    return False, f"rollout.cpu_weight_layout=auto: row_major ({why})"

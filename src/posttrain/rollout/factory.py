@@ -36,7 +36,10 @@ def build_rollout_engine(cfg: RunConfig, model: Any, tokenizer: Any, log: Metric
         # The transformers engine samples with the module it is given; a policy about to be sharded
         # over several ranks cannot be sampled from, so the engine gets its own whole copy then.
         engine_model = copy.deepcopy(model) if will_shard_policy() else model
-        return build_hf_engine(cfg, engine_model, tokenizer)
+        hf_engine = build_hf_engine(cfg, engine_model, tokenizer)
+        if next(model.parameters()).device.type == "cpu":  # the layout changes the draws: say which
+            log.info(f"rollout: transformers engine, {hf_engine.weight_layout_note}")
+        return hf_engine
     # vLLM runs in the compute dtype (bf16 under mixed precision, whatever the master weights'
     # dtype: its attention kernels take no fp32) and receives the weights cast to it.
     model_dir = resolve_model_path(cfg.model.name_or_path, cfg.model.revision)
@@ -77,7 +80,13 @@ def vllm_dtype(cfg: RunConfig) -> str:
 def build_hf_engine(cfg: RunConfig, model: Any, tokenizer: Any) -> HFRolloutEngine:
     """The transformers engine the ``rollout`` section describes, sampling with ``model`` in the
     policy's compute dtype (reading the weights as the training forward does when mixed)."""
-    return HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size, precision=policy_precision(cfg, model))
+    return HFRolloutEngine(
+        model,
+        tokenizer,
+        batch_size=cfg.rollout.batch_size,
+        precision=policy_precision(cfg, model),
+        cpu_weight_layout=cfg.rollout.cpu_weight_layout,
+    )
 
 
 def build_vllm_engine(

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from posttrain.models.chat import eos_token_ids
-from posttrain.models.cpu_decode_layout import column_major_linears
+from posttrain.models.cpu_decode_layout import column_major_choice, column_major_linears
 from posttrain.models.precision import Precision, compute_weights
 from posttrain.rollout.base import (
     Completion,
@@ -213,15 +213,19 @@ class HFRolloutEngine(HoldsEngineState):
         batch_size: int = 256,
         eos_ids: list[int] | None = None,
         precision: Precision | None = None,
+        cpu_weight_layout: str = "auto",
     ) -> None:
         """``precision``: the policy's (mixed: sampling reads the weights as the training forward does, so
-        the sampler's logprobs are comparable with the trainer's); None computes in the weights' dtype."""
+        the sampler's logprobs are comparable with the trainer's); None computes in the weights' dtype.
+        ``cpu_weight_layout``: ``rollout.cpu_weight_layout``, the layout fp32 CPU linear weights are read
+        in while decoding (``models/cpu_decode_layout.py``)."""
         if batch_size < 1:
             raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.precision = precision
+        self.column_major_decode, self.weight_layout_note = column_major_choice(cpu_weight_layout)
         generation_config = getattr(model, "generation_config", None)
         self.eos_ids = (
             list(eos_ids) if eos_ids else eos_token_ids(tokenizer, model.config, generation_config=generation_config)
@@ -298,12 +302,14 @@ class HFRolloutEngine(HoldsEngineState):
 
     def _compute(self) -> ExitStack[bool | None]:
         """The policy's weights as compute-dtype copies when it is mixed, as its training forward
-        reads them (``compute_weights``); on a CPU, fp32 linear weights as column-major copies, the
-        layout MKL multiplies a decode step's few rows by fastest (``models/cpu_decode_layout.py``)."""
+        reads them (``compute_weights``); on a CPU where it pays, fp32 linear weights as column-major
+        copies, the layout MKL multiplies a decode step's few rows by fastest there
+        (``rollout.cpu_weight_layout``, ``models/cpu_decode_layout.py``)."""
         stack = ExitStack()
         if self.precision is not None and self.precision.mixed:
             stack.enter_context(compute_weights(self.model, self.precision))
-        stack.enter_context(column_major_linears(self.model))  # leaves CUDA weights alone
+        if self.column_major_decode:
+            stack.enter_context(column_major_linears(self.model))  # leaves CUDA weights alone
         return stack
 
     def _package(self, prompts: list[list[int]], n: int, results: list[_Sampled], gen_s: float) -> RolloutBatch:
