@@ -57,9 +57,9 @@ class RolloutConfig(Section):
     ``generate`` call; the parameters stay row-major). ``column_major`` hands MKL its "NN" kernel for the few
     rows of a decode step: on an Intel Xeon 1.5-10x faster per product, the default job's rollout call
     23-30 % faster. ``auto``: ``column_major`` on an Intel CPU with torch's MKL, else ``row_major`` (on an
-    AMD EPYC no product was much faster, the head's 1.1-1.5x slower and the call 6 % slower;
-    models/cpu_decode_layout.py). The two
-    round differently, so they draw differently: a run and its resume on one machine read the same."""
+    AMD EPYC no product was much faster, the head's 1.1-1.5x slower and the call 6-7 % slower;
+    models/cpu_decode_layout.py). The two round differently, so they draw differently: a run and its resume
+    on one machine read the same."""
 
     @field_validator("sampler_logprobs_samples")
     @classmethod

@@ -19,8 +19,8 @@ against about 0.5-1.5 s less in the call's products. The products are the same u
 
 Whether it pays depends on the processor (``rollout.cpu_weight_layout``): on a 2-core AMD EPYC with AVX2
 (2026-12-07, the same torch and MKL) no product was more than 1.3x faster column-major, the head's
-(576 x 49,152) 1.1-1.5x *slower* at 4-64 rows, and the default job's rollout call 6 % slower (medians of 8
-interleaved calls, 3.78 s against 3.55 s; ``docs/benchmarks.md``, thirty-sixth session). ``auto``
+(576 x 49,152) 1.1-1.5x *slower* at 4-64 rows, and the default job's rollout call 6-7 % slower (slower in 17
+of 18 interleaved pairs; ``docs/benchmarks.md``, thirty-sixth session). ``auto``
 therefore decodes column-major only on an Intel CPU with torch's MKL: a rule of the machine, not of a
 timing, so a run and its resume on one machine take the same draws.
 """
