@@ -212,7 +212,6 @@ def test_two_torchrun_ranks_each_with_a_colocated_vllm_engine(
     in-process engine inside the policy world and refreshes it from the FSDP2 shards. The run ends
     without a traceback: the engines shut down before the ranks leave their process group (vLLM's
     groups live in that world; torn down after it, they raised at interpreter exit)."""
-
     model_dir = make_tiny_model(str(tmp_path / "m"), smollm2_tokenizer_dir, num_heads=2, num_kv_heads=1)
     overrides = run_overrides(
         model_dir, tmp_path / "out", "tr", "rollout.backend=vllm", "rl.max_steps=2",

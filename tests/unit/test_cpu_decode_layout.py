@@ -107,6 +107,8 @@ def test_auto_decodes_column_major_on_an_intel_cpu_with_mkl_only() -> None:
     for vendor in ("GenuineIntel", "AuthenticAMD"):  # a setting other than auto is taken as set
         assert column_major_choice("column_major", vendor=vendor, mkl=True)[0] is True
         assert column_major_choice("row_major", vendor=vendor, mkl=True)[0] is False
+    with pytest.raises(ValueError, match="got 'colum_major'"):  # a typo is not taken for row_major
+        column_major_choice("colum_major", vendor="GenuineIntel", mkl=True)
 
 
 def test_this_machines_vendor_is_read_from_cpuinfo() -> None:

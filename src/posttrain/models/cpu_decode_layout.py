@@ -37,7 +37,10 @@ from torch import nn
 
 from posttrain.models.precision import parameters_read_as
 
-__all__ = ["column_major_choice", "column_major_copy", "column_major_linears", "cpu_vendor"]
+__all__ = ["LAYOUTS", "column_major_choice", "column_major_copy", "column_major_linears", "cpu_vendor"]
+
+LAYOUTS = ("auto", "row_major", "column_major")
+"""``rollout.cpu_weight_layout``'s values (the config's ``Literal`` names the same three)."""
 
 _COPY_ROWS = 256
 """Rows of the weight per transposing copy: in blocks the copy stays in cache and runs about twice as
@@ -79,15 +82,18 @@ def cpu_vendor() -> str:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return platform.processor() or "unknown"
-    vendors = [line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id") and ":" in line]
-    return vendors[0] if vendors else platform.processor() or "unknown"
+        lines = []
+    named = (line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id") and ":" in line)
+    return next(named, "") or platform.processor() or "unknown"
 
 
 def column_major_choice(setting: str, *, vendor: str | None = None, mkl: bool | None = None) -> tuple[bool, str]:
     """``rollout.cpu_weight_layout``: whether the transformers engine decodes on a CPU with column-major
     weights, and why (for the log). ``auto`` is column-major on an Intel CPU (``vendor``: this machine's
-    unless given) with torch's MKL (``mkl``: whether this torch has it, unless given)."""
+    unless given) with torch's MKL (``mkl``: whether this torch has it, unless given). Any other
+    ``setting`` is refused (a ValueError), not read as ``row_major``."""
+    if setting not in LAYOUTS:
+        raise ValueError(f"rollout.cpu_weight_layout must be one of {', '.join(LAYOUTS)}, got {setting!r}")
     if setting != "auto":
         return setting == "column_major", f"rollout.cpu_weight_layout={setting}"
     vendor = cpu_vendor() if vendor is None else vendor
