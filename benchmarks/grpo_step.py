@@ -93,6 +93,11 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     cfg.model.cuda_graphs = args.cuda_graphs
     cfg.rl.optimizer.lr = args.lr
     cfg.rl.kl_beta = 0.0
+    # one-step off-policy as a run does it: the ratio against the sampler's logprobs (a batch is one update
+    # stale); before 2026-12-07 this script's off-policy arms took the ratio as one (pi_old = the current
+    # policy) and recorded only each group's first sample's logprobs, which a run refuses
+    cfg.rl.max_off_policy_steps = int(args.off_policy)
+    cfg.rl.use_rollout_logprobs_for_loss = args.off_policy
     cfg.rollout.max_tokens = args.max_tokens
     cfg.rollout.temperature = 1.0
     t0 = time.perf_counter()
@@ -471,6 +476,26 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
     return result
 
 
+def _settle_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve ``--sampler-logprobs-samples auto`` as a run would, and refuse combinations that cannot run."""
+    if args.sampler_logprobs_samples == "auto":  # as a run resolves it: off-policy's loss reads every sample's
+        from posttrain.config.schema import GRPOConfig
+
+        run_cfg = GRPOConfig()
+        run_cfg.rl.use_rollout_logprobs_for_loss = args.off_policy
+        args.sampler_logprobs_samples = run_cfg.sampler_logprobs_samples
+    if args.off_policy and args.sampler_logprobs_samples is not None:
+        p.error("--off-policy: its loss reads every sample's sampler logprobs; leave --sampler-logprobs-samples auto")
+    if args.off_policy and args.engine != "vllm":
+        p.error("--off-policy needs --engine vllm (the transformers engine samples with the trained module)")
+    if args.trl and not args.out:
+        p.error("--trl needs --out (TRL's figures are written beside it)")
+    if args.engines > 1 and not args.separate_engine_process:
+        p.error("--engines above 1 needs --separate-engine-process (each engine core in a process of its own)")
+    if args.arms and (args.off_policy or args.trl or not args.out_dir):
+        p.error("--arms needs --out-dir and takes neither --off-policy (its sampler runs ahead) nor --trl")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="HF model directory (e.g. /tmp/m05 from make_random_models.py)")
@@ -567,20 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--trl-mode", default="vllm", choices=["vllm", "hf", "hf_bf16"], help="TRL's generation path")
     args = p.parse_args(argv)
-    if args.sampler_logprobs_samples == "auto":  # as a run resolves it: off-policy's loss reads every sample's
-        from posttrain.config.schema import GRPOConfig
-
-        run_cfg = GRPOConfig()
-        run_cfg.rl.use_rollout_logprobs_for_loss = args.off_policy
-        args.sampler_logprobs_samples = run_cfg.sampler_logprobs_samples
-    if args.off_policy and args.engine != "vllm":
-        p.error("--off-policy needs --engine vllm (the transformers engine samples with the trained module)")
-    if args.trl and not args.out:
-        p.error("--trl needs --out (TRL's figures are written beside it)")
-    if args.engines > 1 and not args.separate_engine_process:
-        p.error("--engines above 1 needs --separate-engine-process (each engine core in a process of its own)")
-    if args.arms and (args.off_policy or args.trl or not args.out_dir):
-        p.error("--arms needs --out-dir and takes neither --off-policy (its sampler runs ahead) nor --trl")
+    _settle_args(p, args)
     if args.arms:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         out_dir = args.out_dir

@@ -133,6 +133,9 @@
 #   norm32 the RMSNorm kernels' GPU test with Qwen2 and Qwen3 policies beside Llama's (no vLLM kit; carry .whl)
 #   sync31 two engines' first weight sync at once, one after the other, at once after 16 GiB was cached by
 #          torch's allocator, and one engine apart's (benchmarks/fleet_first_sync.py, W's model)
+#   lease37a the 1.5B shape one-step off-policy (engine core apart, every sample's logprobs, as a run records
+#          them), then on-policy as shipped; lease37b one-step off-policy W so (offpolicy_w's 1.33 s recorded the
+#          first sample's only and took the ratio as one), then W on-policy; lease37c off-policy W and 1.5B on two engines
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -296,7 +299,14 @@ offpolicy_w() {  # one-step off-policy W with the engine core apart and compiled
   environment
   model 0.5b /tmp/m05
   step w_offpolicy 200 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
-    --compile --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy.json"
+    --compile --out "$R/w_offpolicy.json"
+  pack
+}
+offpolicy_arm() {  # NAME MODEL MICRO LIMIT ENGINES: one-step off-policy in six whole steps, the engine core(s)
+  # apart, as a run does it since 2026-12-07 (grpo_step.py: the ratio against the sampler's logprobs, which every
+  # sample records; the earlier off-policy parts took the ratio as one and recorded the first sample's only)
+  step "$1" "$4" --model "$2" --micro-batch "$3" --steps 6 --off-policy --separate-engine-process --engines "$5" \
+    --out "$R/$1.json"
   pack
 }
 model() {  # SHAPE DIR: a random-weight model of that shape (benchmarks/make_random_model.py), once;
@@ -333,7 +343,7 @@ case "${1:-}" in
   more)
     environment
     step w_offpolicy 170 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
-      --compile --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy.json"
+      --compile --out "$R/w_offpolicy.json"
     model 1.5b /tmp/m15
     step w15 170 --model /tmp/m15 --micro-batch 32 --steps 5 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" \
       --out "$R/w15.json"
@@ -496,13 +506,13 @@ case "${1:-}" in
     device_info
     model 0.5b /tmp/m05
     OFF="--model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process --compile"
-    step w_offpolicy 170 $OFF --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy.json"
+    step w_offpolicy 170 $OFF --out "$R/w_offpolicy.json"
     if command -v nvidia-cuda-mps-control >/dev/null; then
       export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
       mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
       trap 'echo quit | nvidia-cuda-mps-control' EXIT  # also when a step fails or the call runs out
       nvidia-cuda-mps-control -d && echo "MPS daemon started"
-      step w_offpolicy_mps 170 $OFF --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy_mps.json"
+      step w_offpolicy_mps 170 $OFF --out "$R/w_offpolicy_mps.json"
       step w_compiled_mps 120 --model /tmp/m05 --micro-batch 64 --steps 5 --compile \
         --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_compiled_mps.json"
       echo quit | nvidia-cuda-mps-control; trap - EXIT
@@ -838,7 +848,7 @@ case "${1:-}" in
     # offp26's one-step off-policy W alone (engine core apart, compiled), on gen27's host; then the same eager
     offpolicy_w
     step w_offpolicy_eager 150 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
-      --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_offpolicy_eager.json"
+      --out "$R/w_offpolicy_eager.json"
     pack ;;
   head24)
     # W in whole steps as shipped (t: model.triton_logprob_head=auto, the Triton head on CUDA since the
@@ -910,7 +920,7 @@ g1:steps=4,cuda_graphs=1;s3:steps=4,head=log_softmax;g2:steps=4,cuda_graphs=1"
     environment
     model 0.5b /tmp/m05
     step w_fleet30_off 260 --model /tmp/m05 --micro-batch 64 --steps 6 --off-policy --separate-engine-process \
-      --engines 2 --sampler-logprobs-samples "${SHIPPED_SAMPLES:-1}" --out "$R/w_fleet30_off.json"
+      --engines 2 --out "$R/w_fleet30_off.json"
     pack
     gpu_test_files fleet30_gpu 300 tests/gpu/test_vllm_fleet_gpu.py tests/gpu/test_engine_apart_gpu.py -s
     pack ;;
@@ -1138,6 +1148,30 @@ PY
     pack
     trl_small
     pack ;;
+  lease37a)
+    # the 1.5B shape with one-step off-policy (engine core apart, every sample's logprobs as a run records
+    # them), then on-policy as shipped (one engine in the trainer's process) on the same host: can the overlap
+    # bring the 1.5B step (2.63 s on-policy, generation 1.21 s and update 1.41 s) to 1.6 s?
+    environment
+    device_info
+    (model 0.5b /tmp/m05 &)  # for lease37b, meanwhile
+    model 1.5b /tmp/m15
+    offpolicy_arm w15_l37_off /tmp/m15 32 300 1
+    engine_arm w15_l37_on /tmp/m15 32 260 1 ;;
+  lease37b)
+    # one-step off-policy W as a run does it (the ratio against every sample's sampler logprobs; offpolicy_w's
+    # 1.33 s took it as one and recorded the first sample's only), then W on-policy as shipped, one engine each
+    environment
+    model 0.5b /tmp/m05
+    offpolicy_arm w_l37_off /tmp/m05 64 200 1
+    engine_arm w_l37_on /tmp/m05 64 160 1 ;;
+  lease37c)
+    # one-step off-policy with two engines apart (every sample's logprobs): W, then the 1.5B shape
+    environment
+    model 0.5b /tmp/m05
+    offpolicy_arm w_l37_off_two /tmp/m05 64 240 2
+    model 1.5b /tmp/m15
+    offpolicy_arm w15_l37_off_two /tmp/m15 32 320 2 ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)
