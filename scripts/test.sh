@@ -61,8 +61,10 @@ echo "== pytest ($TIER)"
 .venv/bin/pytest -q -n 2 --dist loadfile -m "($TIER) and not gpu and not vllm and not ray" "$@"
 echo "== pytest (vLLM engine; $TIER)"
 # A vLLM engine changes process-wide state (threads, environment) that later multi-process tests
-# inherit, so the engine tests run in a pytest process of their own, after the rest.
-.venv/bin/pytest -q -m "($TIER) and vllm" tests/integration "$@"
+# inherit, so the engine tests run in pytest processes of their own, after the rest: two workers, each
+# test file on one of them (5:24 against 8:36 in one process on the 2-core AMD EPYC, 2026-12-07: most
+# of a file's time is engine starts and subprocesses, not the two cores' arithmetic).
+.venv/bin/pytest -q -n 2 --dist loadfile -m "($TIER) and vllm" tests/integration "$@"
 echo "== pytest (Ray backend; $TIER)"
 # A local Ray cluster per test (in driver subprocesses): kept apart from the rest like the vLLM tests.
 .venv/bin/pytest -q -m "($TIER) and ray" tests/integration "$@"
