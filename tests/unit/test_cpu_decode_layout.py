@@ -1,6 +1,7 @@
 """``models/cpu_decode_layout.py``: inside ``column_major_linears`` every fp32 CPU linear weight reads
-as a column-major copy of itself (tied weights one copy), the model computes the same logits up to
-rounding, and the parameters themselves come back untouched, also after an error."""
+as a column-major copy of itself (tied weights one copy); inside ``onednn_packed_linears`` every such
+linear computes over one packed copy; either way the model computes the same logits up to rounding, the
+parameters and modules come back untouched, also after an error, and ``auto`` picks by the machine."""
 
 from __future__ import annotations
 
@@ -89,26 +90,98 @@ def test_the_blockwise_copy_holds_every_value_column_major(rows: int) -> None:
     assert copy.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
 
 
-def test_auto_decodes_column_major_on_an_intel_cpu_with_mkl_only() -> None:
-    from posttrain.models.cpu_decode_layout import column_major_choice
+def test_auto_decodes_column_major_on_intel_with_mkl_and_packed_where_torch_packs() -> None:
+    from posttrain.models.cpu_decode_layout import decode_layout_choice
 
-    assert column_major_choice("auto", vendor="GenuineIntel", mkl=True) == (
-        True,
-        "rollout.cpu_weight_layout=auto: column_major (an Intel CPU with MKL)",
+    head = "rollout.cpu_weight_layout=auto"
+    assert decode_layout_choice("auto", vendor="GenuineIntel", mkl=True, onednn=True) == (
+        "column_major",
+        f"{head}: column_major (an Intel CPU with MKL)",
     )
-    assert column_major_choice("auto", vendor="AuthenticAMD", mkl=True) == (
-        False,
-        "rollout.cpu_weight_layout=auto: row_major (the CPU is AuthenticAMD, not Intel)",
+    assert decode_layout_choice("auto", vendor="AuthenticAMD", mkl=True, onednn=True) == (
+        "onednn_packed",
+        f"{head}: onednn_packed (the CPU is AuthenticAMD, not Intel)",
     )
-    assert column_major_choice("auto", vendor="GenuineIntel", mkl=False) == (
-        False,
-        "rollout.cpu_weight_layout=auto: row_major (torch has no MKL)",
+    assert decode_layout_choice("auto", vendor="GenuineIntel", mkl=False, onednn=True) == (
+        "onednn_packed",
+        f"{head}: onednn_packed (torch has no MKL)",
+    )
+    assert decode_layout_choice("auto", vendor="AuthenticAMD", mkl=True, onednn=False) == (
+        "row_major",
+        f"{head}: row_major (the CPU is AuthenticAMD, not Intel; this torch has no oneDNN packing)",
     )
     for vendor in ("GenuineIntel", "AuthenticAMD"):  # a setting other than auto is taken as set
-        assert column_major_choice("column_major", vendor=vendor, mkl=True)[0] is True
-        assert column_major_choice("row_major", vendor=vendor, mkl=True)[0] is False
+        for layout in ("row_major", "column_major", "onednn_packed"):
+            assert decode_layout_choice(layout, vendor=vendor, mkl=True, onednn=True)[0] == layout
+    with pytest.raises(ValueError, match="no oneDNN linear packing"):  # not quietly row_major
+        decode_layout_choice("onednn_packed", vendor="AuthenticAMD", mkl=True, onednn=False)
     with pytest.raises(ValueError, match="got 'colum_major'"):  # a typo is not taken for row_major
-        column_major_choice("colum_major", vendor="GenuineIntel", mkl=True)
+        decode_layout_choice("colum_major", vendor="GenuineIntel", mkl=True, onednn=True)
+
+
+def _patched(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if "forward" in m.__dict__]
+
+
+def test_inside_every_linear_computes_over_one_packed_weight(smollm2_tokenizer_dir: str, tmp_path: Path) -> None:
+    from posttrain.models.cpu_decode_layout import onednn_packed_linears, onednn_packing
+
+    if not onednn_packing():
+        pytest.skip("this torch has no oneDNN linear packing")
+    model = _tiny_tied_llama(smollm2_tokenizer_dir, tmp_path)
+    params = {name: p.clone() for name, p in model.named_parameters()}
+    packed_weights: list[int] = []
+    products: list[torch.Tensor] = []
+    reorder, product = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
+
+    def counting_reorder(weight: torch.Tensor, *args: object) -> torch.Tensor:
+        packed_weights.append(id(weight))
+        return reorder(weight, *args)
+
+    def counting_product(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
+        products.append(weight)
+        return product(x, weight, *args)
+
+    ids = torch.tensor([[5, 9, 2, 7], [3, 3, 8, 1]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", counting_reorder)
+            patch.setattr(torch.ops.mkldnn, "_linear_pointwise", counting_product)
+            with onednn_packed_linears(model):
+                patched = _patched(model)
+                inside = model(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 15 and patched == linears  # 7 per layer and the head, each with a forward of its own
+    assert len(packed_weights) == 15  # the tied head packed once, with the embedding's Parameter
+    assert len(products) == 15 and len({id(w) for w in products}) == 15  # the forward's products, all packed
+    assert not _patched(model)  # plain modules again
+    torch.testing.assert_close(inside, before, rtol=1e-4, atol=1e-4)  # the same products, up to rounding
+    assert torch.equal(after, before)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, params[name]), name
+
+
+def test_packing_skips_what_it_cannot_pack_and_an_error_undoes_it() -> None:
+    from posttrain.models.cpu_decode_layout import onednn_packed_linears, onednn_packing
+
+    if not onednn_packing():
+        pytest.skip("this torch has no oneDNN linear packing")
+    own = nn.Linear(6, 6)
+    own.forward = lambda x: x  # type: ignore[method-assign]  # a forward set by someone else stays theirs
+    twin = nn.Linear(6, 4)
+    model = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 6).to(torch.bfloat16), own, twin)
+    twin.weight = model[0].weight  # tied: one Parameter, one packed copy
+    x = torch.randn(3, 6)
+    with pytest.raises(RuntimeError, match="mid-decode"), torch.no_grad(), onednn_packed_linears(model):
+        assert _patched(model) == [model[0], own, twin]
+        assert model[0].forward.keywords["weight"] is twin.forward.keywords["weight"]  # type: ignore[attr-defined]
+        assert "forward" not in model[2].__dict__  # the bf16 linear keeps F.linear
+        torch.testing.assert_close(model[0](x), nn.functional.linear(x, model[0].weight, model[0].bias))
+        torch.testing.assert_close(twin(x), nn.functional.linear(x, twin.weight, twin.bias))  # its own bias
+        raise RuntimeError("mid-decode")
+    assert _patched(model) == [own]
 
 
 def test_this_machines_vendor_is_read_from_cpuinfo() -> None:
@@ -123,22 +196,46 @@ def test_this_machines_vendor_is_read_from_cpuinfo() -> None:
     assert cpu_vendor() == vendor_lines[0].split(":", 1)[1].strip()
 
 
-@pytest.mark.parametrize("layout", ["row_major", "column_major"])
+@pytest.mark.parametrize("layout", ["row_major", "column_major", "onednn_packed"])
 def test_the_engine_decodes_with_the_weights_in_the_layout_set(
     layout: str, smollm2_tokenizer_dir: str, tmp_path: Path
 ) -> None:
     from transformers import AutoTokenizer
 
+    from posttrain.models.cpu_decode_layout import onednn_packing
     from posttrain.rollout.base import SamplingParams
     from posttrain.rollout.hf_engine import HFRolloutEngine
 
+    if layout == "onednn_packed" and not onednn_packing():
+        pytest.skip("this torch has no oneDNN linear packing")
     model = _tiny_tied_llama(smollm2_tokenizer_dir, tmp_path)
     head = model.lm_head.weight
-    strides: list[tuple[int, ...]] = []
-    model.lm_head.register_forward_pre_hook(lambda module, args: strides.append(module.weight.stride()))
+    seen: list[tuple[tuple[int, ...], bool]] = []  # the head's weight strides, and whether it has a packed forward
+    model.lm_head.register_forward_pre_hook(
+        lambda module, args: seen.append((module.weight.stride(), "forward" in module.__dict__))
+    )
     engine = HFRolloutEngine(model, AutoTokenizer.from_pretrained(smollm2_tokenizer_dir), cpu_weight_layout=layout)
     assert engine.weight_layout_note == f"rollout.cpu_weight_layout={layout}"
     engine.generate([[5, 9, 2], [7, 3]], 2, SamplingParams(max_tokens=3, seed=0))
     expected = (1, head.shape[0]) if layout == "column_major" else head.stride()
-    assert strides and set(strides) == {expected}  # the prefill and every decode step
-    assert model.lm_head.weight is head
+    assert seen and set(seen) == {(expected, layout == "onednn_packed")}  # the prefill and every decode step
+    assert model.lm_head.weight is head and "forward" not in model.lm_head.__dict__
+
+
+def test_onednn_packed_is_refused_before_any_model_loads_where_torch_cannot_pack(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from posttrain.config.loading import build_config
+    from posttrain.models import cpu_decode_layout
+    from posttrain.preflight.grpo import grpo_preflight
+
+    def layout_errors(setting: str) -> list[str]:
+        cfg = build_config(None, [f"rollout.cpu_weight_layout={setting}"])
+        return [e for e in grpo_preflight(cfg).errors if "cpu_weight_layout" in e]
+
+    monkeypatch.setattr(cpu_decode_layout, "onednn_packing", lambda: False)
+    (error,) = layout_errors("onednn_packed")
+    assert "no oneDNN linear packing" in error and "set auto, row_major or column_major" in error
+    assert layout_errors("auto") == []  # auto falls back by itself
+    monkeypatch.setattr(cpu_decode_layout, "onednn_packing", lambda: True)
+    assert layout_errors("onednn_packed") == []

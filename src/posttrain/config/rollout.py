@@ -52,14 +52,16 @@ class RolloutConfig(Section):
     W's step 0.23-0.43 s slower on two H200s, 0.40 s on an H100 (docs/benchmarks.md)."""
     batch_size: int = Field(256, ge=1)
     """Most sequences the hf engine decodes at once."""
-    cpu_weight_layout: Literal["auto", "row_major", "column_major"] = "auto"
+    cpu_weight_layout: Literal["auto", "row_major", "column_major", "onednn_packed"] = "auto"
     """The hf engine on a CPU: the layout its fp32 linear weights are read in while it decodes (a copy per
     ``generate`` call; the parameters stay row-major). ``column_major`` hands MKL its "NN" kernel for the few
     rows of a decode step: on an Intel Xeon 1.5-10x faster per product, the default job's rollout call
-    23-30 % faster. ``auto``: ``column_major`` on an Intel CPU with torch's MKL, else ``row_major`` (on an
-    AMD EPYC no product was much faster, the head's 1.1-1.5x slower and the call 6-7 % slower;
-    models/cpu_decode_layout.py). The two round differently, so they draw differently: a run and its resume
-    on one machine read the same."""
+    23-30 % faster (on an AMD EPYC 6-7 % slower). ``onednn_packed`` multiplies with oneDNN over weights packed
+    in its blocked layout: on an AMD EPYC 1.3-3.1x faster per product, the rollout call 24 % faster (not
+    measured on Intel); needs a torch with oneDNN (x86 builds have it). ``auto``: ``column_major`` on an Intel
+    CPU with torch's MKL, else ``onednn_packed`` where torch packs, else ``row_major``
+    (models/cpu_decode_layout.py). The layouts round differently, so they draw differently: a run and its
+    resume on one machine read the same."""
 
     @field_validator("sampler_logprobs_samples")
     @classmethod

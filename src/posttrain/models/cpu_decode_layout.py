@@ -1,4 +1,4 @@
-"""Column-major weights for decoding on a CPU: the same products, in the layout MKL is fast at.
+"""The CPU decode's weight layouts: the same products, in the layout the processor's library is fast at.
 
 A decode step multiplies a few rows (one per running sequence: 32 at most in the default job) by
 every weight. ``nn.Linear`` computes ``x @ W.T`` with ``W`` stored ``[out, in]`` row-major, so MKL's
@@ -23,13 +23,24 @@ Whether it pays depends on the processor (``rollout.cpu_weight_layout``): on a 2
 of 18 interleaved pairs; ``docs/benchmarks.md``, thirty-sixth session). ``auto``
 therefore decodes column-major only on an Intel CPU with torch's MKL: a rule of the machine, not of a
 timing, so a run and its resume on one machine take the same draws.
+
+On that AMD EPYC oneDNN's linear over a weight packed in its own blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, then ``_linear_pointwise``: the pair torch's inductor uses for
+a frozen CPU linear) was 1.3-3.1x as fast as MKL's at 4-64 rows (the head's product 1.8-3.1x; 2026-12-07,
+``benchmarks/cpu_small_products.py --layouts``), and the default job's rollout call 24 % faster with a
+0.2 s packing per call included (packed faster in 8 of 8 interleaved pairs). A packed weight is not a tensor
+``F.linear`` can read, so ``onednn_packed_linears`` gives each fp32 CPU ``nn.Linear`` a ``forward`` of its own
+while it is entered (hooks and wrappers that call the module, LoRA's among them, still run) and takes it
+away on exit. ``auto`` packs on a CPU that is not an Intel one with MKL, when this torch has the two
+operators (``onednn_packing``); not measured on an Intel CPU, where column-major stays.
 """
 
 from __future__ import annotations
 
 import functools
 import platform
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch
@@ -37,10 +48,18 @@ from torch import nn
 
 from posttrain.models.precision import parameters_read_as
 
-__all__ = ["LAYOUTS", "column_major_choice", "column_major_copy", "column_major_linears", "cpu_vendor"]
+__all__ = [
+    "LAYOUTS",
+    "column_major_copy",
+    "column_major_linears",
+    "cpu_vendor",
+    "decode_layout_choice",
+    "onednn_packed_linears",
+    "onednn_packing",
+]
 
-LAYOUTS = ("auto", "row_major", "column_major")
-"""``rollout.cpu_weight_layout``'s values (the config's ``Literal`` names the same three)."""
+LAYOUTS = ("auto", "row_major", "column_major", "onednn_packed")
+"""``rollout.cpu_weight_layout``'s values (the config's ``Literal`` names the same four)."""
 
 _COPY_ROWS = 256
 """Rows of the weight per transposing copy: in blocks the copy stays in cache and runs about twice as
@@ -66,11 +85,7 @@ def column_major_linears(model: nn.Module) -> AbstractContextManager[None]:
 
 def _column_major_weight(module: nn.Module, name: str, weight: torch.Tensor) -> torch.Tensor | None:
     """The column-major copy of a plain fp32 CPU ``nn.Linear`` weight; None for any other slot."""
-    if not isinstance(module, nn.Linear) or name != "weight":
-        return None
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-        return None
-    if type(weight.data) is not torch.Tensor:  # a sharded (DTensor) or other subclass weight stays
+    if name != "weight" or _decode_weight(module) is not weight:
         return None
     return column_major_copy(weight)
 
@@ -87,18 +102,88 @@ def cpu_vendor() -> str:
     return next(named, "") or platform.processor() or "unknown"
 
 
-def column_major_choice(setting: str, *, vendor: str | None = None, mkl: bool | None = None) -> tuple[bool, str]:
-    """``rollout.cpu_weight_layout``: whether the transformers engine decodes on a CPU with column-major
-    weights, and why (for the log). ``auto`` is column-major on an Intel CPU (``vendor``: this machine's
-    unless given) with torch's MKL (``mkl``: whether this torch has it, unless given). Any other
-    ``setting`` is refused (a ValueError), not read as ``row_major``."""
+def _decode_weight(module: nn.Module) -> torch.Tensor | None:
+    """``module``'s weight if it is a plain fp32 CPU ``nn.Linear`` weight (what both copies are made of), else None."""
+    if not isinstance(module, nn.Linear):
+        return None
+    weight = module.weight
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    if type(weight.data) is not torch.Tensor:  # a sharded (DTensor) or other subclass weight stays
+        return None
+    return weight
+
+
+@contextmanager
+def onednn_packed_linears(model: nn.Module) -> Iterator[None]:
+    """Inside, every fp32 CPU ``nn.Linear`` of ``model`` (a plain weight, no ``forward`` of its own already)
+    computes with oneDNN over a packed copy of its weight (tied weights share one copy); on exit, also after
+    an exception, each is the plain module again and the parameters were never touched. Enter it under
+    ``torch.no_grad`` or ``torch.inference_mode``: the packed product has no backward."""
+    packed: dict[int, torch.Tensor] = {}
+    patched: list[nn.Module] = []
+    try:
+        for module in model.modules():
+            weight = _decode_weight(module)
+            if weight is None or "forward" in module.__dict__:
+                continue
+            key = id(weight)
+            if key not in packed:
+                packed[key] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            bias = module.bias if isinstance(module.bias, torch.Tensor) else None
+            module.forward = functools.partial(_packed_linear, weight=packed[key], bias=bias)
+            patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _packed_linear(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` over ``W`` packed by ``torch.ops.mkldnn._reorder_linear_weight``."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@functools.cache
+def onednn_packing() -> bool:
+    """Whether this torch packs and multiplies linear weights with oneDNN on the CPU: its two operators
+    exist and a small product over a packed weight equals ``F.linear``'s."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        numbers = torch.Generator().manual_seed(0)  # not the global generator: the probe leaves the draws alone
+        weight, x = torch.randn(48, 40, generator=numbers), torch.randn(3, 40, generator=numbers)
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+            return bool(torch.allclose(_packed_linear(x, weight=packed, bias=None), x @ weight.T, atol=1e-4))
+    except (AttributeError, RuntimeError):  # an operator this build lacks
+        return False
+
+
+def decode_layout_choice(
+    setting: str, *, vendor: str | None = None, mkl: bool | None = None, onednn: bool | None = None
+) -> tuple[str, str]:
+    """``rollout.cpu_weight_layout`` resolved: the layout (``row_major``, ``column_major`` or ``onednn_packed``)
+    the transformers engine decodes with on a CPU, and why (for the log). ``auto`` is column-major on an Intel
+    CPU (``vendor``: this machine's unless given) with torch's MKL (``mkl``: whether this torch has it, unless
+    given), else oneDNN-packed where this torch packs (``onednn``: ``onednn_packing()`` unless given), else
+    row-major. ``onednn_packed`` set where torch cannot pack, or any setting not in ``LAYOUTS``, is refused (a
+    ValueError), not read as ``row_major``."""
     if setting not in LAYOUTS:
         raise ValueError(f"rollout.cpu_weight_layout must be one of {', '.join(LAYOUTS)}, got {setting!r}")
+    onednn = onednn_packing() if onednn is None else onednn
+    if setting == "onednn_packed" and not onednn:
+        raise ValueError(
+            "rollout.cpu_weight_layout=onednn_packed: this torch has no oneDNN linear packing "
+            "(torch.ops.mkldnn._reorder_linear_weight); set auto, row_major or column_major"
+        )
     if setting != "auto":
-        return setting == "column_major", f"rollout.cpu_weight_layout={setting}"
+        return setting, f"rollout.cpu_weight_layout={setting}"
     vendor = cpu_vendor() if vendor is None else vendor
     mkl = torch.backends.mkl.is_available() if mkl is None else mkl
     if vendor == "GenuineIntel" and mkl:
-        return True, "rollout.cpu_weight_layout=auto: column_major (an Intel CPU with MKL)"
+        return "column_major", "rollout.cpu_weight_layout=auto: column_major (an Intel CPU with MKL)"
     why = "torch has no MKL" if vendor == "GenuineIntel" else f"the CPU is {vendor}, not Intel"
-    return False, f"rollout.cpu_weight_layout=auto: row_major ({why})"
+    if onednn:
+        return "onednn_packed", f"rollout.cpu_weight_layout=auto: onednn_packed ({why})"
+    return "row_major", f"rollout.cpu_weight_layout=auto: row_major ({why}; this torch has no oneDNN packing)"

@@ -7,7 +7,8 @@ file-system checks), ``model.fused_kernels`` and ``model.triton_logprob_head``
 
 ``run_checks`` runs them in the one order both preflights report in, with the algorithm's own
 objective checks (``preflight/grpo.py``, ``preflight/opd.py``) after the batch checks. Nothing here
-imports torch; data and rewards are imported when their check runs.
+imports torch but the check of ``rollout.cpu_weight_layout=onednn_packed``, set explicitly; data and rewards
+are imported when their check runs.
 """
 
 from __future__ import annotations
@@ -149,9 +150,24 @@ def check_rollout_backend(cfg: RunConfig, out: Findings) -> None:
                     "set rollout.temperature=1, or rollout.top_p=1, rollout.top_k=-1, rollout.repetition_penalty=1"
                 )
     check_engine_context(cfg, out)
+    check_cpu_weight_layout(cfg, out)
     check_separate_engine_process(cfg, out)
     check_engines_per_device(cfg, out)
     check_weight_sync(cfg, out)
+
+
+def check_cpu_weight_layout(cfg: RunConfig, out: Findings) -> None:
+    """``rollout.cpu_weight_layout=onednn_packed`` needs a torch that packs linear weights with oneDNN (``auto``
+    falls back by itself). Asked of torch only then: it imports torch and runs one small product."""
+    if cfg.rollout.cpu_weight_layout != "onednn_packed":
+        return
+    from posttrain.models.cpu_decode_layout import onednn_packing
+
+    if not onednn_packing():
+        out.errors.append(
+            "rollout.cpu_weight_layout=onednn_packed: this torch has no oneDNN linear packing "
+            "(torch.ops.mkldnn._reorder_linear_weight); set auto, row_major or column_major"
+        )
 
 
 def check_engine_context(cfg: RunConfig, out: Findings) -> None:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from posttrain.models.chat import eos_token_ids
-from posttrain.models.cpu_decode_layout import column_major_choice, column_major_linears
+from posttrain.models.cpu_decode_layout import column_major_linears, decode_layout_choice, onednn_packed_linears
 from posttrain.models.precision import Precision, compute_weights
 from posttrain.rollout.base import (
     Completion,
@@ -225,7 +225,7 @@ class HFRolloutEngine(HoldsEngineState):
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.precision = precision
-        self.column_major_decode, self.weight_layout_note = column_major_choice(cpu_weight_layout)
+        self.decode_layout, self.weight_layout_note = decode_layout_choice(cpu_weight_layout)
         generation_config = getattr(model, "generation_config", None)
         self.eos_ids = (
             list(eos_ids) if eos_ids else eos_token_ids(tokenizer, model.config, generation_config=generation_config)
@@ -302,14 +302,16 @@ class HFRolloutEngine(HoldsEngineState):
 
     def _compute(self) -> ExitStack[bool | None]:
         """The policy's weights as compute-dtype copies when it is mixed, as its training forward
-        reads them (``compute_weights``); on a CPU where it pays, fp32 linear weights as column-major
-        copies, the layout MKL multiplies a decode step's few rows by fastest there
-        (``rollout.cpu_weight_layout``, ``models/cpu_decode_layout.py``)."""
+        reads them (``compute_weights``); on a CPU, fp32 linear weights in the layout its library multiplies
+        a decode step's few rows by fastest: column-major copies (MKL on an Intel CPU) or oneDNN-packed ones
+        (``rollout.cpu_weight_layout``, ``models/cpu_decode_layout.py``). Both leave CUDA weights alone."""
         stack = ExitStack()
         if self.precision is not None and self.precision.mixed:
             stack.enter_context(compute_weights(self.model, self.precision))
-        if self.column_major_decode:
-            stack.enter_context(column_major_linears(self.model))  # leaves CUDA weights alone
+        if self.decode_layout == "column_major":
+            stack.enter_context(column_major_linears(self.model))
+        elif self.decode_layout == "onednn_packed":
+            stack.enter_context(onednn_packed_linears(self.model))
         return stack
 
     def _package(self, prompts: list[list[int]], n: int, results: list[_Sampled], gen_s: float) -> RolloutBatch:
