@@ -10,8 +10,10 @@ weight shapes (above 1: the other order is faster), and the large-product rate f
     python benchmarks/cpu_small_products.py [--rows 1,4,8,16,32,64,96,128,256] [--repeats 60]
 
 With ``--layouts`` it times ``F.linear`` itself over each weight stored row-major (as ``nn.Linear``
-keeps it) and column-major (what the transformers engine decodes with on a CPU since the
-thirty-third session, ``models/cpu_decode_layout.py``): microseconds per call, then their ratio.
+keeps it) and column-major (what the transformers engine decodes with on an Intel CPU since the
+thirty-third session, ``models/cpu_decode_layout.py``), and oneDNN's linear over the weight packed in its
+blocked layout (``rollout.cpu_weight_layout=onednn_packed``, where this torch packs): microseconds per
+call, then row-major's time over each of the other two.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from posttrain.models.cpu_decode_layout import column_major_copy
+from posttrain.models.cpu_decode_layout import column_major_copy, onednn_packing
 
 # SmolLM2-135M's weights as (in, out): the MLP's up/gate, its down, attention's query/output, key/value, the head
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 192), (576, 49152)]
@@ -43,9 +45,13 @@ def other_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def layouts(rows_list: list[int], repeats: int) -> None:
-    """Per row count and shape: F.linear's microseconds over a row-major and a column-major weight."""
-    print("rows  " + "  ".join(f"{k}x{n}".center(21) for k, n in SHAPES))
-    print("      " + "  ".join("row-major col-major x".center(21) for _ in SHAPES))
+    """Per row count and shape: F.linear's microseconds over a row-major and a column-major weight, and
+    oneDNN's over a packed one (where this torch packs), then row-major's time over each of theirs."""
+    packs = onednn_packing()
+    columns = "row col pack  col x pack x" if packs else "row-major col-major x"
+    width = len(columns) + 6
+    print("rows  " + "  ".join(f"{k}x{n}".center(width) for k, n in SHAPES))
+    print("      " + "  ".join(columns.center(width) for _ in SHAPES))
     linear = torch.nn.functional.linear
     for rows in rows_list:
         cells = []
@@ -53,8 +59,21 @@ def layouts(rows_list: list[int], repeats: int) -> None:
             weight, x = torch.randn(n, k), torch.randn(rows, k)
             row_us = seconds_per_call(linear, repeats, x, weight) * 1e6
             col_us = seconds_per_call(linear, repeats, x, column_major_copy(weight)) * 1e6
-            cells.append(f"{row_us:8.0f} {col_us:8.0f} {row_us / col_us:4.1f}")
+            if not packs:
+                cells.append(f"{row_us:8.0f} {col_us:8.0f} {row_us / col_us:4.1f}".center(width))
+                continue
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+            pack_us = seconds_per_call(_packed_product, repeats, x, packed) * 1e6
+            cells.append(
+                f"{row_us:6.0f} {col_us:6.0f} {pack_us:6.0f} {row_us / col_us:4.1f} {row_us / pack_us:4.1f}".center(
+                    width
+                )
+            )
         print(f"{rows:<5} " + "  ".join(cells))
+
+
+def _packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def main() -> None:
@@ -62,7 +81,9 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,8,16,32,64,96,128,256", help="row counts, comma-separated")
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--layouts", action="store_true", help="F.linear over row- and column-major weights")
+    parser.add_argument(
+        "--layouts", action="store_true", help="F.linear over row- and column-major weights; oneDNN over packed ones"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

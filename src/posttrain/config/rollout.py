@@ -57,7 +57,7 @@ class RolloutConfig(Section):
     ``generate`` call; the parameters stay row-major). ``column_major`` hands MKL its "NN" kernel for the few
     rows of a decode step: on an Intel Xeon 1.5-10x faster per product, the default job's rollout call
     23-30 % faster (on an AMD EPYC 6-7 % slower). ``onednn_packed`` multiplies with oneDNN over weights packed
-    in its blocked layout: on an AMD EPYC 1.3-3.1x faster per product, the rollout call 24 % faster (not
+    in its blocked layout: on an AMD EPYC the head's product 1.9-2.7x faster, the rollout call 15-26 % faster (not
     measured on Intel); needs a torch with oneDNN (x86 builds have it). ``auto``: ``column_major`` on an Intel
     CPU with torch's MKL, else ``onednn_packed`` where torch packs, else ``row_major``
     (models/cpu_decode_layout.py). The layouts round differently, so they draw differently: a run and its

@@ -26,13 +26,14 @@ timing, so a run and its resume on one machine take the same draws.
 
 On that AMD EPYC oneDNN's linear over a weight packed in its own blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``, then ``_linear_pointwise``: the pair torch's inductor uses for
-a frozen CPU linear) was 1.3-3.1x as fast as MKL's at 4-64 rows (the head's product 1.8-3.1x; 2026-12-07,
-``benchmarks/cpu_small_products.py --layouts``), and the default job's rollout call 24 % faster with a
-0.2 s packing per call included (packed faster in 8 of 8 interleaved pairs). A packed weight is not a tensor
-``F.linear`` can read, so ``onednn_packed_linears`` gives each fp32 CPU ``nn.Linear`` a ``forward`` of its own
-while it is entered (hooks and wrappers that call the module, LoRA's among them, still run) and takes it
-away on exit. ``auto`` packs on a CPU that is not an Intel one with MKL, when this torch has the two
-operators (``onednn_packing``); not measured on an Intel CPU, where column-major stays.
+a frozen CPU linear) was 1.1-2.3x as fast as MKL's for the layers' larger products at 4-64 rows and 1.9-2.7x
+for the head's, the small key/value products a few microseconds slower (2026-12-07,
+``benchmarks/cpu_small_products.py --layouts``); the default job's rollout call was 15-26 % faster with a
+0.2 s packing per call included (faster in 20 of 20 interleaved pairs), the whole job 13 %. A packed weight
+is not a tensor ``F.linear`` can read, so ``onednn_packed_linears`` gives each fp32 CPU ``nn.Linear`` a
+``forward`` of its own while it is entered (hooks and wrappers that call the module, LoRA's among them,
+still run) and takes it away on exit. ``auto`` packs on a CPU that is not an Intel one with MKL, when this
+torch has the two operators (``onednn_packing``); not measured on an Intel CPU, where column-major stays.
 """
 
 from __future__ import annotations
