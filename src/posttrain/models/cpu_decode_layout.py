@@ -51,6 +51,7 @@ from posttrain.models.precision import parameters_read_as
 
 __all__ = [
     "LAYOUTS",
+    "NO_PACKING",
     "column_major_copy",
     "column_major_linears",
     "cpu_vendor",
@@ -61,6 +62,12 @@ __all__ = [
 
 LAYOUTS = ("auto", "row_major", "column_major", "onednn_packed")
 """``rollout.cpu_weight_layout``'s values (the config's ``Literal`` names the same four)."""
+
+NO_PACKING = (
+    "rollout.cpu_weight_layout=onednn_packed: this torch has no oneDNN linear packing "
+    "(torch.ops.mkldnn._reorder_linear_weight); set auto, row_major or column_major"
+)
+"""Why an explicit ``onednn_packed`` is refused where torch cannot pack (the preflight's error and the engine's)."""
 
 _COPY_ROWS = 256
 """Rows of the weight per transposing copy: in blocks the copy stays in cache and runs about twice as
@@ -174,10 +181,7 @@ def decode_layout_choice(
         raise ValueError(f"rollout.cpu_weight_layout must be one of {', '.join(LAYOUTS)}, got {setting!r}")
     onednn = onednn_packing() if onednn is None else onednn
     if setting == "onednn_packed" and not onednn:
-        raise ValueError(
-            "rollout.cpu_weight_layout=onednn_packed: this torch has no oneDNN linear packing "
-            "(torch.ops.mkldnn._reorder_linear_weight); set auto, row_major or column_major"
-        )
+        raise ValueError(NO_PACKING)
     if setting != "auto":
         return setting, f"rollout.cpu_weight_layout={setting}"
     vendor = cpu_vendor() if vendor is None else vendor

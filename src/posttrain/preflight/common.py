@@ -161,13 +161,10 @@ def check_cpu_weight_layout(cfg: RunConfig, out: Findings) -> None:
     falls back by itself). Asked of torch only then: it imports torch and runs one small product."""
     if cfg.rollout.cpu_weight_layout != "onednn_packed":
         return
-    from posttrain.models.cpu_decode_layout import onednn_packing
+    from posttrain.models.cpu_decode_layout import NO_PACKING, onednn_packing
 
     if not onednn_packing():
-        out.errors.append(
-            "rollout.cpu_weight_layout=onednn_packed: this torch has no oneDNN linear packing "
-            "(torch.ops.mkldnn._reorder_linear_weight); set auto, row_major or column_major"
-        )
+        out.errors.append(NO_PACKING)
 
 
 def check_engine_context(cfg: RunConfig, out: Findings) -> None:
