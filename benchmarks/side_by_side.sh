@@ -1158,11 +1158,6 @@ PY
     model 1.5b /tmp/m15
     offpolicy_arm w15_l37_off /tmp/m15 32 300 1
     engine_arm w15_l37_on /tmp/m15 32 260 1 ;;
-  lease37o)
-    # lease37a's first arm alone: the 1.5B shape one-step off-policy, one engine core apart (a short lease)
-    environment
-    model 1.5b /tmp/m15
-    offpolicy_arm w15_l37_off /tmp/m15 32 300 1 ;;
   lease37b)
     # one-step off-policy W as a run does it (the ratio against every sample's sampler logprobs; offpolicy_w's
     # 1.33 s took it as one and recorded the first sample's only), then W on-policy as shipped, one engine each

@@ -90,26 +90,32 @@ def test_the_blockwise_copy_holds_every_value_column_major(rows: int) -> None:
     assert copy.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
 
 
-def test_auto_decodes_column_major_on_intel_with_mkl_and_packed_where_torch_packs() -> None:
+NO_ONEDNN = "this torch has no oneDNN packing"
+
+
+@pytest.mark.parametrize(
+    ("vendor", "mkl", "onednn", "layout", "why"),
+    [
+        ("GenuineIntel", True, True, "column_major", "an Intel CPU with MKL"),
+        ("AuthenticAMD", True, True, "onednn_packed", "the CPU is AuthenticAMD, not Intel"),
+        ("GenuineIntel", False, True, "onednn_packed", "torch has no MKL"),
+        ("AuthenticAMD", True, False, "row_major", "the CPU is AuthenticAMD, not Intel; " + NO_ONEDNN),
+    ],
+)
+def test_auto_decodes_column_major_on_intel_with_mkl_and_packed_where_torch_packs(
+    vendor: str, mkl: bool, onednn: bool, layout: str, why: str
+) -> None:
     from posttrain.models.cpu_decode_layout import decode_layout_choice
 
-    head = "rollout.cpu_weight_layout=auto"
-    assert decode_layout_choice("auto", vendor="GenuineIntel", mkl=True, onednn=True) == (
-        "column_major",
-        f"{head}: column_major (an Intel CPU with MKL)",
+    assert decode_layout_choice("auto", vendor=vendor, mkl=mkl, onednn=onednn) == (
+        layout,
+        f"rollout.cpu_weight_layout=auto: {layout} ({why})",
     )
-    assert decode_layout_choice("auto", vendor="AuthenticAMD", mkl=True, onednn=True) == (
-        "onednn_packed",
-        f"{head}: onednn_packed (the CPU is AuthenticAMD, not Intel)",
-    )
-    assert decode_layout_choice("auto", vendor="GenuineIntel", mkl=False, onednn=True) == (
-        "onednn_packed",
-        f"{head}: onednn_packed (torch has no MKL)",
-    )
-    assert decode_layout_choice("auto", vendor="AuthenticAMD", mkl=True, onednn=False) == (
-        "row_major",
-        f"{head}: row_major (the CPU is AuthenticAMD, not Intel; this torch has no oneDNN packing)",
-    )
+
+
+def test_a_layout_other_than_auto_is_taken_as_set_and_a_typo_refused() -> None:
+    from posttrain.models.cpu_decode_layout import decode_layout_choice
+
     for vendor in ("GenuineIntel", "AuthenticAMD"):  # a setting other than auto is taken as set
         for layout in ("row_major", "column_major", "onednn_packed"):
             assert decode_layout_choice(layout, vendor=vendor, mkl=True, onednn=True)[0] == layout
