@@ -19,12 +19,13 @@ call, then row-major's time over each of the other two.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
 import torch
 
-from posttrain.models.cpu_decode_layout import column_major_copy, onednn_packing
+from posttrain.models.cpu_decode_layout import column_major_copy, onednn_packing, pack_weight, packed_linear
 
 # SmolLM2-135M's weights as (in, out): the MLP's up/gate, its down, attention's query/output, key/value, the head
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 192), (576, 49152)]
@@ -62,18 +63,11 @@ def layouts(rows_list: list[int], repeats: int) -> None:
             if not packs:
                 cells.append(f"{row_us:8.0f} {col_us:8.0f} {row_us / col_us:4.1f}".center(width))
                 continue
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-            pack_us = seconds_per_call(_packed_product, repeats, x, packed) * 1e6
-            cells.append(
-                f"{row_us:6.0f} {col_us:6.0f} {pack_us:6.0f} {row_us / col_us:4.1f} {row_us / pack_us:4.1f}".center(
-                    width
-                )
-            )
+            product = functools.partial(packed_linear, packed=pack_weight(weight))
+            pack_us = seconds_per_call(product, repeats, x) * 1e6
+            cell = f"{row_us:6.0f} {col_us:6.0f} {pack_us:6.0f} {row_us / col_us:4.1f} {row_us / pack_us:4.1f}"
+            cells.append(cell.center(width))
         print(f"{rows:<5} " + "  ".join(cells))
-
-
-def _packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def main() -> None:

@@ -182,7 +182,7 @@ def test_packing_skips_what_it_cannot_pack_and_an_error_undoes_it() -> None:
     x = torch.randn(3, 6)
     with pytest.raises(RuntimeError, match="mid-decode"), torch.no_grad(), onednn_packed_linears(model):
         assert _patched(model) == [model[0], own, twin]
-        assert model[0].forward.keywords["weight"] is twin.forward.keywords["weight"]  # type: ignore[attr-defined]
+        assert model[0].forward.keywords["packed"] is twin.forward.keywords["packed"]  # type: ignore[attr-defined]
         assert "forward" not in model[2].__dict__  # the bf16 linear keeps F.linear
         torch.testing.assert_close(model[0](x), nn.functional.linear(x, model[0].weight, model[0].bias))
         torch.testing.assert_close(twin(x), nn.functional.linear(x, twin.weight, twin.bias))  # its own bias

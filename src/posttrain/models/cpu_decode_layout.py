@@ -58,6 +58,8 @@ __all__ = [
     "decode_layout_choice",
     "onednn_packed_linears",
     "onednn_packing",
+    "pack_weight",
+    "packed_linear",
 ]
 
 LAYOUTS = ("auto", "row_major", "column_major", "onednn_packed")
@@ -137,9 +139,9 @@ def onednn_packed_linears(model: nn.Module) -> Iterator[None]:
                 continue
             key = id(weight)
             if key not in packed:
-                packed[key] = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+                packed[key] = pack_weight(weight.detach())
             bias = module.bias if isinstance(module.bias, torch.Tensor) else None
-            module.forward = functools.partial(_packed_linear, weight=packed[key], bias=bias)
+            module.forward = functools.partial(packed_linear, packed=packed[key], bias=bias)
             patched.append(module)
         yield
     finally:
@@ -147,9 +149,14 @@ def onednn_packed_linears(model: nn.Module) -> Iterator[None]:
             del module.forward
 
 
-def _packed_linear(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` over ``W`` packed by ``torch.ops.mkldnn._reorder_linear_weight``."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A 2-D fp32 CPU ``[out, in]`` weight packed in oneDNN's blocked layout, for ``packed_linear`` only."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def packed_linear(x: torch.Tensor, *, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` over ``packed = pack_weight(W)``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @functools.cache
@@ -162,8 +169,7 @@ def onednn_packing() -> bool:
         numbers = torch.Generator().manual_seed(0)  # not the global generator: the probe leaves the draws alone
         weight, x = torch.randn(48, 40, generator=numbers), torch.randn(3, 40, generator=numbers)
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-            return bool(torch.allclose(_packed_linear(x, weight=packed, bias=None), x @ weight.T, atol=1e-4))
+            return bool(torch.allclose(packed_linear(x, packed=pack_weight(weight)), x @ weight.T, atol=1e-4))
     except (AttributeError, RuntimeError):  # an operator this build lacks
         return False
 
@@ -179,8 +185,8 @@ def decode_layout_choice(
     ValueError), not read as ``row_major``."""
     if setting not in LAYOUTS:
         raise ValueError(f"rollout.cpu_weight_layout must be one of {', '.join(LAYOUTS)}, got {setting!r}")
-    onednn = onednn_packing() if onednn is None else onednn
-    if setting == "onednn_packed" and not onednn:
+    packs = onednn_packing if onednn is None else lambda: onednn  # probed only where the answer matters
+    if setting == "onednn_packed" and not packs():
         raise ValueError(NO_PACKING)
     if setting != "auto":
         return setting, f"rollout.cpu_weight_layout={setting}"
@@ -189,6 +195,6 @@ def decode_layout_choice(
     if vendor == "GenuineIntel" and mkl:
         return "column_major", "rollout.cpu_weight_layout=auto: column_major (an Intel CPU with MKL)"
     why = "torch has no MKL" if vendor == "GenuineIntel" else f"the CPU is {vendor}, not Intel"
-    if onednn:
+    if packs():
         return "onednn_packed", f"rollout.cpu_weight_layout=auto: onednn_packed ({why})"
     return "row_major", f"rollout.cpu_weight_layout=auto: row_major ({why}; this torch has no oneDNN packing)"
