@@ -136,6 +136,10 @@
 #   lease37a the 1.5B shape one-step off-policy (engine core apart, every sample's logprobs, as a run records
 #          them), then on-policy as shipped; lease37b one-step off-policy W so (offpolicy_w's 1.33 s recorded the
 #          first sample's only and took the ratio as one), then W on-policy; lease37c off-policy W and 1.5B on two engines
+#   lease38a W as shipped, then TRL on W (one call: the same lease's ratio); lease38b the small job and TRL's (lease21s);
+#          lease38c TRL at 1.5B (lease32c's ratio), then W on two engines apart; lease38d W on one engine, then two, again;
+#          lease38e the 1.5B shape on one engine again, after lease32c's two
+#   warm   a throwaway two-step W arm, the first call of a lease after the kit's (a lease's first arm runs slow)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -1172,6 +1176,41 @@ PY
     offpolicy_arm w_l37_off_two /tmp/m05 64 240 2
     model 1.5b /tmp/m15
     offpolicy_arm w15_l37_off_two /tmp/m15 32 320 2 ;;
+  lease38a)
+    # W as shipped on one engine in the trainer's process, then TRL's GRPOTrainer on W: the same lease's ratio
+    # with the code as of the thirty-eighth session (the thirty-seventh's lease ran no TRL)
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    engine_arm w_l38_on /tmp/m05 64 170 1
+    trl w_l38 170 /tmp/m05 32,8,256
+    pack ;;
+  lease38b)
+    # the default recipe's small job as shipped, then TRL's GRPOTrainer on the same task (lease21s again)
+    bash "$0" lease21s ;;
+  lease38c)
+    # TRL at the 1.5B shape (lease32c's ratio; 16 x 16 on an 80 GB card), then W on two engines apart (lease38a's pair)
+    environment
+    model 1.5b /tmp/m15
+    trl w15_l38 230 /tmp/m15 16,16,256
+    pack
+    engine_arm w_l38_two /tmp/m05 64 200 2 ;;
+  lease38d)
+    # lease38a/c's W pair again in the order one engine, two apart (is the 3.2 s against 2.05 s the order's?)
+    environment
+    engine_arm w_l38_on2 /tmp/m05 64 170 1
+    engine_arm w_l38_two2 /tmp/m05 64 200 2 ;;
+  lease38e)
+    # the 1.5B shape on one engine again, after lease32c's two (lease32c ran one engine first)
+    environment
+    engine_arm w15_l38_on /tmp/m15 32 210 1 ;;
+  warm)
+    # a throwaway W arm, two steps: a lease's first GPU work ran slow (the thirty-eighth session: W 3.22 s as the
+    # lease's first arm, 2.04 s the same arm later on the same machine), so run this before any measured part
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    engine_arm warm_discard /tmp/m05 64 150 1 2 ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)
