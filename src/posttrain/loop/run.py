@@ -166,6 +166,8 @@ def start_run(cfg: RunConfig, argv: list[str], objective: Objective) -> Run:
         log.info(trainer.cuda_graphs_note)
     if trainer.device.type == "cuda":  # on the CPU the kernels never run: no line
         log.info(f"{trainer.triton_head_note} (the logprob head's softmax as two Triton kernels)")
+    else:
+        log.info(f"{trainer.packed_update_note} (the update's linear forwards over oneDNN-packed weights)")
     return Run(cfg, run_dir, log, roles, trainer, resume_identity(cfg), tokenizer, Cells(dp.cell, dp.size))
 
 

@@ -34,15 +34,28 @@ is not a tensor ``F.linear`` can read, so ``onednn_packed_linears`` gives each f
 ``forward`` of its own while it is entered (hooks and wrappers that call the module, LoRA's among them,
 still run) and takes it away on exit. ``auto`` packs on a CPU that is not an Intel one with MKL, when this
 torch has the two operators (``onednn_packing``); not measured on an Intel CPU, where column-major stays.
+
+The update's forward products are the same kind of product at more rows (94-256 a pass in the default job),
+where oneDNN over a packed weight was 1.1-1.4x as fast as MKL's on that AMD EPYC. ``packed_update_linears``
+gives each such linear a ``forward`` through ``PackedLinear``, an autograd function whose forward multiplies over
+the packed copy and whose backward computes the input's and the weight's gradients from the plain weight as
+``F.linear``'s backward does (the same MKL products). Both contexts take their copies from ``packed_copy``, which
+keeps each until its weight changes, so the update reuses the copies the rollout's decode made of the same
+weights: on that AMD EPYC the default job's train phase 5.80 -> 5.25 s, faster in 9 of 9 interleaved pairs
+(``benchmarks/cpu_decode_interleaved.py --vary update``); packing afresh for the update instead (0.26 s) left
+about half of that (docs/benchmarks.md, thirty-eighth session). ``model.cpu_packed_update`` chooses
+(``update_packing_choice``): ``auto`` where ``rollout.cpu_weight_layout``'s ``auto`` packs.
 """
 
 from __future__ import annotations
 
 import functools
 import platform
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,6 +65,9 @@ from posttrain.models.precision import parameters_read_as
 __all__ = [
     "LAYOUTS",
     "NO_PACKING",
+    "UPDATE_COMPILED",
+    "UPDATE_NO_PACKING",
+    "PackedLinear",
     "column_major_copy",
     "column_major_linears",
     "cpu_vendor",
@@ -59,7 +75,10 @@ __all__ = [
     "onednn_packed_linears",
     "onednn_packing",
     "pack_weight",
+    "packed_copy",
     "packed_linear",
+    "packed_update_linears",
+    "update_packing_choice",
 ]
 
 LAYOUTS = ("auto", "row_major", "column_major", "onednn_packed")
@@ -124,29 +143,107 @@ def _decode_weight(module: nn.Module) -> torch.Tensor | None:
     return weight
 
 
-@contextmanager
-def onednn_packed_linears(model: nn.Module) -> Iterator[None]:
+def onednn_packed_linears(model: nn.Module) -> AbstractContextManager[None]:
     """Inside, every fp32 CPU ``nn.Linear`` of ``model`` (a plain weight, no ``forward`` of its own already)
     computes with oneDNN over a packed copy of its weight (tied weights share one copy); on exit, also after
     an exception, each is the plain module again and the parameters were never touched. Enter it under
     ``torch.no_grad`` or ``torch.inference_mode``: the packed product has no backward."""
-    packed: dict[int, torch.Tensor] = {}
+    return _packed_forwards(
+        model, lambda _module, packed, bias: functools.partial(packed_linear, packed=packed, bias=bias)
+    )
+
+
+def packed_update_linears(model: nn.Module) -> AbstractContextManager[None]:
+    """``onednn_packed_linears`` for training: each linear's forward goes through ``PackedLinear`` where autograd
+    records it, so gradients reach the input, the weight and the bias as through ``F.linear``. The copies are
+    of the weights on entry: leave it before an optimizer step changes them. Entered again inside (a nested
+    forward), it leaves the linears it finds patched alone."""
+    return _packed_forwards(model, lambda module, packed, _bias: functools.partial(_update_forward, module, packed))
+
+
+_MakeForward = Callable[[nn.Module, torch.Tensor, torch.Tensor | None], Callable[..., torch.Tensor]]
+"""``(module, its packed weight, its bias) -> the forward it gets``."""
+
+
+@contextmanager
+def _packed_forwards(model: nn.Module, make_forward: _MakeForward) -> Iterator[None]:
+    """Every plain fp32 CPU ``nn.Linear`` of ``model`` without a ``forward`` of its own gets
+    ``make_forward(module, packed weight, bias)`` (tied weights packed once) until the exit, also an exceptional one."""
     patched: list[nn.Module] = []
     try:
         for module in model.modules():
             weight = _decode_weight(module)
             if weight is None or "forward" in module.__dict__:
                 continue
-            key = id(weight)
-            if key not in packed:
-                packed[key] = pack_weight(weight.detach())
             bias = module.bias if isinstance(module.bias, torch.Tensor) else None
-            module.forward = functools.partial(packed_linear, packed=packed[key], bias=bias)
+            module.forward = make_forward(module, packed_copy(weight), bias)
             patched.append(module)
         yield
     finally:
         for module in patched:
             del module.forward
+
+
+class PackedLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose forward multiplies over ``packed = pack_weight(weight)`` (oneDNN) and
+    whose backward is ``F.linear``'s: ``grad_x = grad @ W``, ``grad_W = grad^T x``, ``grad_b = sum(grad)``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return packed_linear(x, packed=packed, bias=bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad_rows.T @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = grad_rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
+def _update_forward(module: nn.Module, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A patched linear's forward in the update: through ``PackedLinear`` where autograd records, else plain."""
+    weight = module.weight
+    bias = module.bias if isinstance(module.bias, torch.Tensor) else None
+    records = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if records:
+        return PackedLinear.apply(x, weight, bias, packed)
+    return packed_linear(x, packed=packed, bias=bias)
+
+
+_PACKED: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+"""``packed_copy``'s copies: ``id(weight) -> (the weight, weakly; its version counter then; the packed copy)``."""
+
+
+def packed_copy(weight: torch.Tensor) -> torch.Tensor:
+    """``pack_weight(weight)``, made once and kept while ``weight`` is unchanged: until its version counter, which
+    every in-place write bumps, moves, or the weight is freed. So the rollout's decode and the update that follows
+    it on the same weights share one packing (0.26 s a step for the default job's 135M). torch's fused AdamW
+    writes without bumping the counter (torch 2.13), so the trainer bumps it after each optimizer step
+    (``PolicyTrainer._optimizer_step``); a write through ``.data`` would not bump it either, and no path of the
+    policy writes so."""
+    if weight.is_inference():  # no version counter to key on: packed afresh each time
+        return pack_weight(weight)
+    key, version = id(weight), weight._version
+    entry = _PACKED.get(key)
+    if entry is not None and entry[0]() is weight and entry[1] == version:
+        return entry[2]
+    with torch.no_grad():
+        packed = pack_weight(weight.detach())
+
+    def forget(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
+        if _PACKED.get(key, (None,))[0] is ref:
+            del _PACKED[key]
+
+    _PACKED[key] = (weakref.ref(weight, forget), version, packed)
+    return packed
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -198,3 +295,45 @@ def decode_layout_choice(
     if packs():
         return "onednn_packed", f"rollout.cpu_weight_layout=auto: onednn_packed ({why})"
     return "row_major", f"rollout.cpu_weight_layout=auto: row_major ({why}; this torch has no oneDNN packing)"
+
+
+UPDATE_NO_PACKING = (
+    "model.cpu_packed_update=true: this torch has no oneDNN linear packing "
+    "(torch.ops.mkldnn._reorder_linear_weight); set auto or false"
+)
+"""Why an explicit ``model.cpu_packed_update=true`` is refused where torch cannot pack."""
+
+UPDATE_COMPILED = (
+    "model.cpu_packed_update=true: not with model.compile (dynamo would trace the packed forwards); set one false"
+)
+"""Why an explicit ``model.cpu_packed_update=true`` is refused beside ``model.compile``."""
+
+
+def update_packing_choice(
+    setting: bool | str,
+    *,
+    cpu_fp32: bool,
+    compiled: bool,
+    vendor: str | None = None,
+    mkl: bool | None = None,
+    onednn: bool | None = None,
+) -> tuple[bool, str]:
+    """``model.cpu_packed_update`` resolved: whether the update's linears multiply over packed weights
+    (``packed_update_linears``), and why (for the log). Only for a policy computing in fp32 on a CPU
+    (``cpu_fp32``) and not compiled (dynamo would trace the patched forwards); there ``auto`` packs where
+    ``decode_layout_choice("auto")`` does (a CPU that is not an Intel one with MKL, when torch packs) and
+    ``true`` packs, refused (a ValueError) where torch cannot."""
+    head = f"model.cpu_packed_update={str(setting).lower()}"
+    if not cpu_fp32 or setting is False:
+        return False, f"{head}: off" + ("" if setting is False else " (not an fp32 CPU policy)")
+    if setting is True:
+        if compiled:
+            raise ValueError(UPDATE_COMPILED)
+        if not (onednn_packing() if onednn is None else onednn):
+            raise ValueError(UPDATE_NO_PACKING)
+        return True, f"{head}: on"
+    if compiled:
+        return False, f"{head}: off (model.compile)"
+    layout, why = decode_layout_choice("auto", vendor=vendor, mkl=mkl, onednn=onednn)
+    reason = why[why.index("(") + 1 : -1]
+    return layout == "onednn_packed", f"{head}: {'on' if layout == 'onednn_packed' else 'off'} ({reason})"

@@ -15,12 +15,14 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from posttrain.algorithm.loss_types import LossInputs, LossNormalizer, LossStats
 from posttrain.config.schema import RunConfig
 from posttrain.distributed.cells import cell_config
 from posttrain.distributed.fsdp import DataParallel, first_nonfinite, largest_entry, mixed_forward
 from posttrain.errors import TrainingError
+from posttrain.models.cpu_decode_layout import packed_update_linears, update_packing_choice
 from posttrain.models.cuda_graphs import graphed_body_for
 from posttrain.models.fused_kernels import apply_fused_kernels, fusable, fused_kernels_choice
 from posttrain.models.precision import compute_weights, dtype_name, resolve_precision
@@ -112,6 +114,11 @@ class PolicyTrainer:
             check_packing_isolates(model)
         ref = ref_model is not None and objective.reference_logprobs  # model.cuda_graphs: models/cuda_graphs.py
         self.graphs, self.cuda_graphs_note = graphed_body_for(model, cfg, self.precision, self.dp.size, reference=ref)
+        # model.cpu_packed_update: an fp32 CPU update's linear forwards over oneDNN-packed weights (_compute)
+        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32 and not self.precision.mixed
+        self.packed_update, self.packed_update_note = update_packing_choice(
+            cfg.model.cpu_packed_update, cpu_fp32=cpu_fp32, compiled=cfg.model.compile
+        )
 
     # -- partitioning -------------------------------------------------------------------------
     def _mini_batches(self, n: int) -> list[list[int]]:
@@ -220,7 +227,11 @@ class PolicyTrainer:
         plain module. An FSDP2-sharded policy computes in bf16 through its MixedPrecisionPolicy
         already (``shard_policy``), so it gets nothing here; nor does any module of a run whose
         compute dtype is its parameter dtype (the CPU default). A graphed body (``model.cuda_graphs``)
-        casts its weights inside its graphs, so only the LM head is cast here."""
+        casts its weights inside its graphs, so only the LM head is cast here. An fp32 CPU update under
+        ``model.cpu_packed_update`` multiplies its linears over oneDNN-packed copies instead, made on entry: the
+        trainer enters this before each mini-batch's optimizer step, never across one."""
+        if self.packed_update:
+            return packed_update_linears(model)
         if not self.precision.mixed:
             return nullcontext()
         if self._body_forward(model) is not None:
@@ -474,6 +485,10 @@ class PolicyTrainer:
             return grad_norm
         try:
             self.optimizer.step()
+            if self.device.type == "cpu":
+                # fused AdamW writes the weights without bumping their version counters, which the cache of
+                # oneDNN-packed copies reads to know a weight changed (models/cpu_decode_layout.py, packed_copy)
+                increment_version(params)
         except RuntimeError as exc:  # e.g. an lr whose step size overflows fp32 inside the fused update
             opt = self.cfg.rl.optimizer
             raise TrainingError(

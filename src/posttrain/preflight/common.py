@@ -157,14 +157,23 @@ def check_rollout_backend(cfg: RunConfig, out: Findings) -> None:
 
 
 def check_cpu_weight_layout(cfg: RunConfig, out: Findings) -> None:
-    """``rollout.cpu_weight_layout=onednn_packed`` needs a torch that packs linear weights with oneDNN (``auto``
-    falls back by itself). Asked of torch only then: it imports torch and runs one small product."""
-    if cfg.rollout.cpu_weight_layout != "onednn_packed":
+    """``rollout.cpu_weight_layout=onednn_packed`` and ``model.cpu_packed_update=true`` need a torch that packs
+    linear weights with oneDNN (``auto`` falls back by itself); the second is refused beside ``model.compile``.
+    Asked of torch only then: it imports torch and runs one small product."""
+    update = cfg.model.cpu_packed_update is True
+    if update and cfg.model.compile:
+        from posttrain.models.cpu_decode_layout import UPDATE_COMPILED
+
+        out.errors.append(UPDATE_COMPILED)
+    if cfg.rollout.cpu_weight_layout != "onednn_packed" and not update:
         return
-    from posttrain.models.cpu_decode_layout import NO_PACKING, onednn_packing
+    from posttrain.models.cpu_decode_layout import NO_PACKING, UPDATE_NO_PACKING, onednn_packing
 
     if not onednn_packing():
-        out.errors.append(NO_PACKING)
+        if cfg.rollout.cpu_weight_layout == "onednn_packed":
+            out.errors.append(NO_PACKING)
+        if update:
+            out.errors.append(UPDATE_NO_PACKING)
 
 
 def check_engine_context(cfg: RunConfig, out: Findings) -> None:
