@@ -179,6 +179,11 @@ def test_auto_packs_where_the_decode_packs(case: tuple[bool | str, bool, bool, s
 
     got = update_packing_choice(setting, cpu_fp32=cpu_fp32, compiled=compiled, vendor=vendor, mkl=True, onednn=onednn)
     assert got == (on, f"model.cpu_packed_update={str(setting).lower()}: {why}")
+    if cpu_fp32 and setting is not False:  # an FSDP-sharded policy never packs, whatever else holds
+        sharded = update_packing_choice(
+            setting, cpu_fp32=True, compiled=False, sharded=True, vendor=vendor, mkl=True, onednn=onednn
+        )
+        assert sharded == (False, f"model.cpu_packed_update={str(setting).lower()}: off (an FSDP-sharded policy)")
 
 
 def test_true_is_refused_before_any_model_loads_without_packing_or_beside_compile(

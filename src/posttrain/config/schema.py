@@ -115,7 +115,8 @@ class ModelConfig(Section):
     MKL's, the gradients the same up to rounding; models/cpu_decode_layout.py). On a 2-core AMD EPYC the default
     job's train phase 5.80 -> 5.25 s.
     ``auto``: on where ``rollout.cpu_weight_layout``'s ``auto`` packs (a CPU that is not Intel with MKL, when torch
-    packs), never beside ``model.compile``; ``true`` refuses those two. A GPU or mixed-precision policy ignores it."""
+    packs), never beside ``model.compile``; ``true`` refuses those two. A GPU, mixed-precision or FSDP-sharded policy
+    ignores it."""
     logprob_chunk_tokens: int = Field(1024, ge=16)
     """Tokens per chunk when computing per-token logprobs; bounds the fp32 [tokens, vocab] buffer."""
     triton_logprob_head: bool | Literal["auto"] = "auto"

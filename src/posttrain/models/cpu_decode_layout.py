@@ -314,6 +314,7 @@ def update_packing_choice(
     *,
     cpu_fp32: bool,
     compiled: bool,
+    sharded: bool = False,
     vendor: str | None = None,
     mkl: bool | None = None,
     onednn: bool | None = None,
@@ -322,10 +323,13 @@ def update_packing_choice(
     (``packed_update_linears``), and why (for the log). Only for a policy computing in fp32 on a CPU
     (``cpu_fp32``) and not compiled (dynamo would trace the patched forwards); there ``auto`` packs where
     ``decode_layout_choice("auto")`` does (a CPU that is not an Intel one with MKL, when torch packs) and
-    ``true`` packs, refused (a ValueError) where torch cannot."""
+    ``true`` packs, refused (a ValueError) where torch cannot. An FSDP-sharded policy (``sharded``) never packs:
+    its layers' full weights are gathered into fresh storage for each forward, which a kept copy cannot follow."""
     head = f"model.cpu_packed_update={str(setting).lower()}"
     if not cpu_fp32 or setting is False:
         return False, f"{head}: off" + ("" if setting is False else " (not an fp32 CPU policy)")
+    if sharded:
+        return False, f"{head}: off (an FSDP-sharded policy)"
     if setting is True:
         if compiled:
             raise ValueError(UPDATE_COMPILED)

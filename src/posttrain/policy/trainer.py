@@ -20,7 +20,7 @@ from torch.autograd.graph import increment_version
 from posttrain.algorithm.loss_types import LossInputs, LossNormalizer, LossStats
 from posttrain.config.schema import RunConfig
 from posttrain.distributed.cells import cell_config
-from posttrain.distributed.fsdp import DataParallel, first_nonfinite, largest_entry, mixed_forward
+from posttrain.distributed.fsdp import DataParallel, first_nonfinite, is_sharded, largest_entry, mixed_forward
 from posttrain.errors import TrainingError
 from posttrain.models.cpu_decode_layout import packed_update_linears, update_packing_choice
 from posttrain.models.cuda_graphs import graphed_body_for
@@ -117,7 +117,7 @@ class PolicyTrainer:
         # model.cpu_packed_update: an fp32 CPU update's linear forwards over oneDNN-packed weights (_compute)
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32 and not self.precision.mixed
         self.packed_update, self.packed_update_note = update_packing_choice(
-            cfg.model.cpu_packed_update, cpu_fp32=cpu_fp32, compiled=cfg.model.compile
+            cfg.model.cpu_packed_update, cpu_fp32=cpu_fp32, compiled=cfg.model.compile, sharded=is_sharded(model)
         )
 
     # -- partitioning -------------------------------------------------------------------------
