@@ -7,6 +7,7 @@ model loads where it cannot pack or beside ``model.compile``."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -115,12 +116,26 @@ def test_an_error_inside_puts_the_modules_back() -> None:
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def _two_groups(numbers: torch.Generator) -> Any:
+    """A batch of two groups of four random completions, every one learning."""
+    from posttrain.policy.train_batch import TrainBatch
+
+    completions = [torch.randint(30, 900, (n,), generator=numbers).tolist() for n in (3, 5, 2, 4, 6, 1, 2, 3)]
+    return TrainBatch(
+        prompt_ids=[[5, 6, 7, 8, 9]] * 4 + [[10, 11, 12]] * 4,
+        completion_ids=completions,
+        advantages_B=torch.randn(8, generator=numbers),
+        in_loss_B=torch.ones(8, dtype=torch.bool),
+        sampler_logprobs=[[-1.0] * len(c) for c in completions],
+        group_size=4,
+    )
+
+
 def _trained(model_dir: str, setting: str) -> tuple[list[float], dict[str, torch.Tensor], bool]:
     from transformers import AutoModelForCausalLM
 
     from posttrain.config.loading import build_config
     from posttrain.policy.objective import grpo_objective
-    from posttrain.policy.train_batch import TrainBatch
     from posttrain.policy.trainer import PolicyTrainer
 
     torch.manual_seed(0)
@@ -130,16 +145,7 @@ def _trained(model_dir: str, setting: str) -> tuple[list[float], dict[str, torch
     numbers = torch.Generator().manual_seed(1)
     losses = []
     for step in (1, 2, 3):  # three optimizer steps: each mini-batch packs the weights it trains
-        completions = [torch.randint(30, 900, (n,), generator=numbers).tolist() for n in (3, 5, 2, 4, 6, 1, 2, 3)]
-        batch = TrainBatch(
-            prompt_ids=[[5, 6, 7, 8, 9]] * 4 + [[10, 11, 12]] * 4,
-            completion_ids=completions,
-            advantages_B=torch.randn(8, generator=numbers),
-            in_loss_B=torch.ones(8, dtype=torch.bool),
-            sampler_logprobs=[[-1.0] * len(c) for c in completions],
-            group_size=4,
-        )
-        losses.append(trainer.train_on(batch, step)["train/loss_avg"])
+        losses.append(trainer.train_on(_two_groups(numbers), step)["train/loss_avg"])
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, trainer.packed_update
 
 
@@ -241,7 +247,6 @@ def _decode_then_train(model_dir: str, monkeypatch: pytest.MonkeyPatch, *, cache
     from posttrain.config.loading import build_config
     from posttrain.models import cpu_decode_layout
     from posttrain.policy.objective import grpo_objective
-    from posttrain.policy.train_batch import TrainBatch
     from posttrain.policy.trainer import PolicyTrainer
 
     packs = []
@@ -257,18 +262,7 @@ def _decode_then_train(model_dir: str, monkeypatch: pytest.MonkeyPatch, *, cache
     for step in (1, 2, 3):
         with torch.inference_mode(), cpu_decode_layout.onednn_packed_linears(model):
             model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]))
-        completions = [torch.randint(30, 900, (n,), generator=numbers).tolist() for n in (3, 5, 2, 4, 6, 1, 2, 3)]
-        trainer.train_on(
-            TrainBatch(
-                prompt_ids=[[5, 6, 7, 8, 9]] * 4 + [[10, 11, 12]] * 4,
-                completion_ids=completions,
-                advantages_B=torch.randn(8, generator=numbers),
-                in_loss_B=torch.ones(8, dtype=torch.bool),
-                sampler_logprobs=[[-1.0] * len(c) for c in completions],
-                group_size=4,
-            ),
-            step,
-        )
+        trainer.train_on(_two_groups(numbers), step)
     monkeypatch.undo()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, len(packs)
 
