@@ -228,8 +228,9 @@ class PolicyTrainer:
         already (``shard_policy``), so it gets nothing here; nor does any module of a run whose
         compute dtype is its parameter dtype (the CPU default). A graphed body (``model.cuda_graphs``)
         casts its weights inside its graphs, so only the LM head is cast here. An fp32 CPU update under
-        ``model.cpu_packed_update`` multiplies its linears over oneDNN-packed copies instead, made on entry: the
-        trainer enters this before each mini-batch's optimizer step, never across one."""
+        ``model.cpu_packed_update`` multiplies its linears over oneDNN-packed copies instead, taken on entry
+        (``packed_copy``: the decode's, while the weights are the same): the trainer enters this before each
+        mini-batch's optimizer step, never across one."""
         if self.packed_update:
             return packed_update_linears(model)
         if not self.precision.mixed:
