@@ -276,3 +276,17 @@ def test_the_update_reuses_the_decodes_copies_and_never_a_stale_one(
     assert cached_packs * 2 == fresh_packs  # each step's update took the decode's copies: half the packing
     for name, p in cached.items():  # bitwise: a copy of an older weight would have changed a product
         assert torch.equal(p, fresh[name]), name
+
+
+@needs_packing
+def test_the_policys_choice_reads_its_parameters_and_the_run() -> None:
+    from types import SimpleNamespace
+
+    from posttrain.models.cpu_decode_layout import packed_update_choice
+
+    on = SimpleNamespace(cpu_packed_update=True, compile=False)
+    assert packed_update_choice(nn.Linear(4, 4), on, mixed=False) == (True, "model.cpu_packed_update=true: on")
+    off = (False, "model.cpu_packed_update=true: off (not an fp32 CPU policy)")
+    assert packed_update_choice(nn.Linear(4, 4), on, mixed=True) == off  # bf16 compute copies instead
+    assert packed_update_choice(nn.Linear(4, 4).to(torch.bfloat16), on, mixed=False) == off
+    assert packed_update_choice(nn.Linear(4, 4, device="meta"), on, mixed=False) == off

@@ -52,13 +52,14 @@ from __future__ import annotations
 import functools
 import platform
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from posttrain.models.precision import parameters_read_as
 
@@ -77,8 +78,10 @@ __all__ = [
     "pack_weight",
     "packed_copy",
     "packed_linear",
+    "packed_update_choice",
     "packed_update_linears",
     "update_packing_choice",
+    "weights_written",
 ]
 
 LAYOUTS = ("auto", "row_major", "column_major", "onednn_packed")
@@ -227,7 +230,7 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor:
     every in-place write bumps, moves, or the weight is freed. So the rollout's decode and the update that follows
     it on the same weights share one packing (0.26 s a step for the default job's 135M). torch's fused AdamW
     writes without bumping the counter (torch 2.13), so the trainer bumps it after each optimizer step
-    (``PolicyTrainer._optimizer_step``); a write through ``.data`` would not bump it either, and no path of the
+    (``weights_written``); a write through ``.data`` would not bump it either, and no path of the
     policy writes so."""
     if weight.is_inference():  # no version counter to key on: packed afresh each time
         return pack_weight(weight)
@@ -341,3 +344,23 @@ def update_packing_choice(
     layout, why = decode_layout_choice("auto", vendor=vendor, mkl=mkl, onednn=onednn)
     reason = why[why.index("(") + 1 : -1]
     return layout == "onednn_packed", f"{head}: {'on' if layout == 'onednn_packed' else 'off'} ({reason})"
+
+
+def packed_update_choice(model: nn.Module, model_cfg: Any, mixed: bool) -> tuple[bool, str]:
+    """``update_packing_choice`` for the policy ``model`` under its config section (``model.cpu_packed_update``,
+    ``model.compile``): an fp32 CPU policy when its parameters are fp32 on the CPU and the run is not ``mixed``;
+    sharded when a parameter is a DTensor (or another tensor subclass)."""
+    params = list(model.parameters())
+    cpu_fp32 = bool(params) and params[0].device.type == "cpu" and params[0].dtype == torch.float32 and not mixed
+    sharded = any(type(p.data) is not torch.Tensor for p in params)
+    return update_packing_choice(
+        model_cfg.cpu_packed_update, cpu_fp32=cpu_fp32, compiled=model_cfg.compile, sharded=sharded
+    )
+
+
+def weights_written(params: Sequence[torch.Tensor]) -> None:
+    """Tell ``packed_copy``'s cache that ``params`` were just written (an optimizer step): bump their version
+    counters, which torch 2.13's fused AdamW leaves as they were. Only CPU tensors: no copy of another is packed."""
+    on_cpu = [p for p in params if p.device.type == "cpu"]
+    if on_cpu:
+        increment_version(on_cpu)

@@ -1,12 +1,11 @@
 """The policy update: pi_old and reference passes, the objective over micro-batches, the optimizer step.
 
-One call of ``PolicyTrainer.train_on`` consumes one collected batch. It splits the batch into
-``n_mini`` mini-batches (one optimizer step each) and every mini-batch into micro-batches (a
-memory-only split: each micro-batch's loss is divided by the mini-batch's global token and sequence
-counts, so the summed gradient equals the unsplit one). Which loss runs, and which passes and
-tensors it needs, is the ``Objective`` the run was assembled with (``policy/objective.py``: GRPO,
-or on-policy distillation's direct or advantage mode); this file has no ``if loss_type == ...``
-and reads no algorithm's own knobs.
+One call of ``PolicyTrainer.train_on`` consumes one collected batch. It splits the batch into ``n_mini``
+mini-batches (one optimizer step each) and every mini-batch into micro-batches (a memory-only split: each
+micro-batch's loss is divided by the mini-batch's global token and sequence counts, so the summed gradient equals
+the unsplit one). Which loss runs, and which passes and tensors it needs, is the ``Objective`` the run was
+assembled with (``policy/objective.py``: GRPO, or on-policy distillation's direct or advantage mode); this file has
+no ``if loss_type == ...`` and reads no algorithm's own knobs.
 """
 
 from __future__ import annotations
@@ -15,14 +14,13 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
-from torch.autograd.graph import increment_version
 
 from posttrain.algorithm.loss_types import LossInputs, LossNormalizer, LossStats
 from posttrain.config.schema import RunConfig
 from posttrain.distributed.cells import cell_config
-from posttrain.distributed.fsdp import DataParallel, first_nonfinite, is_sharded, largest_entry, mixed_forward
+from posttrain.distributed.fsdp import DataParallel, first_nonfinite, largest_entry, mixed_forward
 from posttrain.errors import TrainingError
-from posttrain.models.cpu_decode_layout import packed_update_linears, update_packing_choice
+from posttrain.models.cpu_decode_layout import packed_update_choice, packed_update_linears, weights_written
 from posttrain.models.cuda_graphs import graphed_body_for
 from posttrain.models.fused_kernels import apply_fused_kernels, fusable, fused_kernels_choice
 from posttrain.models.precision import compute_weights, dtype_name, resolve_precision
@@ -58,9 +56,8 @@ from posttrain.policy.transfer import to_device
 # loop/run.py import them from here.
 __all__ = ["PROBE_TOLERANCE", "PolicyTrainer", "TrainBatch", "build_reference", "objective_spec"]
 
-# How far pi_old may sit from the first mini-batch's own logprobs before the run is stopped: the
-# pass uses the same micro-batch composition, so on a deterministic backend the gap is zero; the
-# bound leaves room for nondeterministic kernels only.
+# How far pi_old may sit from the first mini-batch's own logprobs before the run stops: the pass uses the same
+# micro-batches, so a deterministic backend's gap is zero; the bound leaves room for nondeterministic kernels only.
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 
@@ -76,9 +73,8 @@ class PolicyTrainer:
         pad_id: int,
         ref_model: nn.Module | None = None,
     ):
-        # An FSDP2-sharded policy (distributed.fsdp.shard_policy): this rank trains one data cell
-        # (its batch sizes are the cell's) and reduces counts, norms and metrics over all policy
-        # ranks. A plain model gets SingleProcess, whose reductions are the identity.
+        # An FSDP2-sharded policy (distributed.fsdp.shard_policy): this rank trains one data cell (the cell's batch
+        # sizes) and reduces counts, norms and metrics over all ranks; a plain model's SingleProcess reduces nothing.
         self.dp = DataParallel.of(model)
         cfg = cell_config(cfg, self.dp.size)
         self.model = model
@@ -88,8 +84,8 @@ class PolicyTrainer:
         self.objective = objective
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        # From the parameters as loaded, so a model built outside load_model_and_tokenizer resolves
-        # like one loaded from the config (model.compute_dtype=auto: bf16 over fp32 on CUDA only).
+        # From the parameters as loaded, so a model built outside load_model_and_tokenizer resolves like one loaded
+        # from the config (model.compute_dtype=auto: bf16 over fp32 on CUDA only).
         self.precision = resolve_precision(dtype_name(self.dtype), cfg.model.compute_dtype, self.device)
         self.optimizer = build_optimizer(model, cfg.rl.optimizer, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.rl.optimizer, total_steps=cfg.rl.max_steps * cfg.rl.n_mini)
@@ -114,11 +110,7 @@ class PolicyTrainer:
             check_packing_isolates(model)
         ref = ref_model is not None and objective.reference_logprobs  # model.cuda_graphs: models/cuda_graphs.py
         self.graphs, self.cuda_graphs_note = graphed_body_for(model, cfg, self.precision, self.dp.size, reference=ref)
-        # model.cpu_packed_update: an fp32 CPU update's linear forwards over oneDNN-packed weights (_compute)
-        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32 and not self.precision.mixed
-        self.packed_update, self.packed_update_note = update_packing_choice(
-            cfg.model.cpu_packed_update, cpu_fp32=cpu_fp32, compiled=cfg.model.compile, sharded=is_sharded(model)
-        )
+        self.packed_update, self.packed_update_note = packed_update_choice(model, cfg.model, self.precision.mixed)
 
     # -- partitioning -------------------------------------------------------------------------
     def _mini_batches(self, n: int) -> list[list[int]]:
@@ -222,19 +214,14 @@ class PolicyTrainer:
         )
 
     def _compute(self, model: nn.Module) -> AbstractContextManager[None]:
-        """The compute dtype for a forward of ``model`` (policy, pi_old or reference pass): its weights
-        read as compute-dtype copies (``compute_weights``) when the run is mixed and ``model`` is a
-        plain module. An FSDP2-sharded policy computes in bf16 through its MixedPrecisionPolicy
-        already (``shard_policy``), so it gets nothing here; nor does any module of a run whose
-        compute dtype is its parameter dtype (the CPU default). A graphed body (``model.cuda_graphs``)
-        casts its weights inside its graphs, so only the LM head is cast here. An fp32 CPU update under
-        ``model.cpu_packed_update`` multiplies its linears over oneDNN-packed copies instead, taken on entry
-        (``packed_copy``: the decode's, while the weights are the same): the trainer enters this before each
-        mini-batch's optimizer step, never across one."""
-        if self.packed_update:
-            return packed_update_linears(model)
+        """The compute dtype for a forward of ``model`` (policy, pi_old or reference pass): its weights read as
+        compute-dtype copies (``compute_weights``) when the run is mixed and ``model`` is a plain module. An
+        FSDP2-sharded policy computes in bf16 through its MixedPrecisionPolicy already (``shard_policy``), so it gets
+        nothing here; nor does a run whose compute dtype is its parameter dtype (the CPU default; there, under
+        ``model.cpu_packed_update``, the linears multiply over oneDNN-packed copies). A graphed body
+        (``model.cuda_graphs``) casts its weights inside its graphs, so only the LM head is cast here."""
         if not self.precision.mixed:
-            return nullcontext()
+            return packed_update_linears(model) if self.packed_update else nullcontext()
         if self._body_forward(model) is not None:
             return compute_weights(split_body_and_head(model)[1], self.precision)
         return mixed_forward(model, compute_weights(model, self.precision))
@@ -486,10 +473,7 @@ class PolicyTrainer:
             return grad_norm
         try:
             self.optimizer.step()
-            if self.device.type == "cpu":
-                # fused AdamW writes the weights without bumping their version counters, which the cache of
-                # oneDNN-packed copies reads to know a weight changed (models/cpu_decode_layout.py, packed_copy)
-                increment_version(params)
+            weights_written(params)  # fused AdamW leaves the version counters the packed copies' cache reads
         except RuntimeError as exc:  # e.g. an lr whose step size overflows fp32 inside the fused update
             opt = self.cfg.rl.optimizer
             raise TrainingError(
