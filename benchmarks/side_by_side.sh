@@ -140,6 +140,8 @@
 #          lease38c TRL at 1.5B (lease32c's ratio), then W on two engines apart; lease38d W on one engine, then two, again;
 #          lease38e the 1.5B shape on one engine again, after lease32c's two
 #   warm   a throwaway two-step W arm, the first call of a lease after the kit's (a lease's first arm runs slow)
+#   lease39a one-step off-policy W as a run does it, then W on-policy as shipped (after warm); lease39b TRL on W,
+#          then the off-policy arm again; lease39c W on-policy again, then the small job and TRL's (lease21s)
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -839,7 +841,7 @@ case "${1:-}" in
     environment
     device_info
     gpu_test_files vllm_gpu 160 tests/gpu/test_vllm_gpu.py
-    gpu_test_files moe_gpu 120 tests/gpu/test_moe_gpu.py
+    gpu_test_files moe_gpu 240 tests/gpu/test_moe_gpu.py  # 120 s cut its fourth test on the thirty-ninth lease
     gpu_test_files vl_grpo_gpu 130 tests/gpu/test_vl_grpo_gpu.py
     gpu_test_files engine_apart_gpu 120 tests/gpu/test_engine_apart_gpu.py
     gpu_test_files tests25_gpu 50 tests/gpu/test_gpu_smoke.py tests/gpu/test_checkpoint_gpu.py ;;
@@ -1211,6 +1213,24 @@ PY
     device_info
     model 0.5b /tmp/m05
     engine_arm warm_discard /tmp/m05 64 150 1 2 ;;
+  lease39a)
+    # after `warm` on the same machine: one-step off-policy W as a run does it (engine core apart), then W
+    # on-policy as shipped (the thirty-seventh lease's pair, 2.80 against 2.87 s, ran as that lease's first arms)
+    environment
+    model 0.5b /tmp/m05
+    offpolicy_arm w_l39_off /tmp/m05 64 260 1
+    engine_arm w_l39_on /tmp/m05 64 170 1 ;;
+  lease39b)
+    # TRL on W after a warm lease's first arms, then the off-policy W arm again (lease39a's order reversed)
+    environment
+    trl w_l39 170 /tmp/m05 32,8,256
+    pack
+    offpolicy_arm w_l39_off2 /tmp/m05 64 260 1 ;;
+  lease39c)
+    # W on-policy as shipped again, then the default recipe's small job (the lease's last figures)
+    environment
+    engine_arm w_l39_on2 /tmp/m05 64 170 1
+    bash "$0" lease21s ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)

@@ -260,9 +260,10 @@ class BaseRLConfig(Section):
     sampler's logprobs. Needs ``rollout.backend=vllm`` and ``rl.use_rollout_logprobs_for_loss=true``
     (docs/objectives.md). On one shared GPU the two sides slow each other down: W's step came out both
     faster (1.21 vs 1.52 s, 3.49 vs 3.88 s) and slower (2.35 vs 2.15 s, 2.75 vs 2.41 s) than on-policy
-    on four hosts with a lighter logprob request than a run's, and about even as a run does it (2.80 vs
-    2.87 s); the 1.5B shape's slower (4.03 vs 3.54 s: its update slows most; docs/benchmarks.md), so
-    measure it on yours."""
+    on four hosts with a lighter logprob request than a run's; as a run does it, even on one slow host
+    (2.80 vs 2.87 s) and slower on another, interleaved (3.00-3.12 vs 2.11-2.26 s: beside each other the
+    generation takes twice as long and the update three to four times); the 1.5B shape's slower (4.03 vs
+    3.54 s; docs/benchmarks.md). Measure it on yours before you rely on it for speed."""
     weight_sync_transport: Literal["inprocess", "object_store", "nccl", "nixl"] = "inprocess"
     """How new policy weights reach the rollout engine: ``inprocess`` (colocated: the engine shares or
     copies the policy in its own process), ``object_store`` (disaggregated Ray replicas: the full
