@@ -308,6 +308,11 @@ offpolicy_w() {  # one-step off-policy W with the engine core apart and compiled
     --compile --out "$R/w_offpolicy.json"
   pack
 }
+off_then_on() {  # NAME MODEL MICRO LIMIT_OFF LIMIT_ON: NAME_off one-step off-policy on one engine apart, then
+  # NAME_on on-policy as shipped on one engine in the trainer's process
+  offpolicy_arm "${1}_off" "$2" "$3" "$4" 1
+  engine_arm "${1}_on" "$2" "$3" "$5" 1
+}
 offpolicy_arm() {  # NAME MODEL MICRO LIMIT ENGINES: one-step off-policy in six whole steps, the engine core(s)
   # apart, as a run does it since 2026-12-07 (grpo_step.py: the ratio against the sampler's logprobs, which every
   # sample records; the earlier off-policy parts took the ratio as one and recorded the first sample's only)
@@ -1169,8 +1174,7 @@ PY
     # 1.33 s took it as one and recorded the first sample's only), then W on-policy as shipped, one engine each
     environment
     model 0.5b /tmp/m05
-    offpolicy_arm w_l37_off /tmp/m05 64 200 1
-    engine_arm w_l37_on /tmp/m05 64 160 1 ;;
+    off_then_on w_l37 /tmp/m05 64 200 160 ;;
   lease37c)
     # one-step off-policy with two engines apart (every sample's logprobs): W, then the 1.5B shape
     environment
@@ -1218,8 +1222,7 @@ PY
     # on-policy as shipped (the thirty-seventh lease's pair, 2.80 against 2.87 s, ran as that lease's first arms)
     environment
     model 0.5b /tmp/m05
-    offpolicy_arm w_l39_off /tmp/m05 64 260 1
-    engine_arm w_l39_on /tmp/m05 64 170 1 ;;
+    off_then_on w_l39 /tmp/m05 64 260 170 ;;
   lease39b)
     # TRL on W after a warm lease's first arms, then the off-policy W arm again (lease39a's order reversed)
     environment
