@@ -141,9 +141,15 @@ def _decode_weight(module: nn.Module) -> torch.Tensor | None:
     weight = module.weight
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
-    if type(weight.data) is not torch.Tensor:  # a sharded (DTensor) or other subclass weight stays
+    if not _plain(weight):
         return None
     return weight
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is held in a plain ``torch.Tensor``: a sharded (DTensor) or other subclass parameter is
+    not packed, since its full value is gathered into fresh storage each forward, which a kept copy cannot follow."""
+    return type(tensor.data) is torch.Tensor
 
 
 def onednn_packed_linears(model: nn.Module) -> AbstractContextManager[None]:
@@ -352,7 +358,7 @@ def packed_update_choice(model: nn.Module, model_cfg: Any, mixed: bool) -> tuple
     sharded when a parameter is a DTensor (or another tensor subclass)."""
     params = list(model.parameters())
     cpu_fp32 = bool(params) and params[0].device.type == "cpu" and params[0].dtype == torch.float32 and not mixed
-    sharded = any(type(p.data) is not torch.Tensor for p in params)
+    sharded = not all(_plain(p) for p in params)
     return update_packing_choice(
         model_cfg.cpu_packed_update, cpu_fp32=cpu_fp32, compiled=model_cfg.compile, sharded=sharded
     )
