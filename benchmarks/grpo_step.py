@@ -141,9 +141,11 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         )
         print(f"vLLM seeding: {engine.seeding} (rollout/vllm_seeding.py)", flush=True)
     else:
-        from posttrain.rollout.hf_engine import HFRolloutEngine
+        from posttrain.rollout.factory import build_hf_engine
 
-        engine = HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
+        # as a run builds it: the policy's compute dtype, rollout.cuda_graphs=auto (graphed decode on CUDA)
+        engine = build_hf_engine(cfg, model, tokenizer)
+        print(f"hf engine: {engine.decode_note}", flush=True)
     engine_s = time.perf_counter() - t0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = PolicyTrainer(model, cfg, objective=grpo_objective(cfg), pad_id=pad_id)
@@ -167,6 +169,7 @@ ARM_KEYS = {
     "compile": lambda v: v in ("1", "true", "yes"),
     "fused_kernels": lambda v: v in ("1", "true", "yes"),  # turns them on (off cannot undo the patch)
     "cuda_graphs": lambda v: v in ("1", "true", "yes"),  # model.cuda_graphs, on or off per arm
+    "rollout_graphs": lambda v: v in ("1", "true", "yes"),  # the hf engine's graphed decode (rollout.cuda_graphs)
     # the logprob head per arm: shipped, log_softmax, triton or logsumexp (benchmarks/logprob_heads.py)
     "head": str,
 }
@@ -202,6 +205,7 @@ def run(
     trainer._optimizer_step = _timed(acc, "optimizer_s", trainer._optimizer_step)
     results = []
     compiled, fused = args.compile, trainer.fused_kernels  # fused: as model.fused_kernels (auto) chose
+    decode_graphs = getattr(engine, "graphs", None)  # the hf engine's, kept for the arms that graph
     try:
         for name, arm in arms or [("run", args)]:
             if arm.fused_kernels is True and not fused:  # turned on from this arm on: the patch stays in
@@ -228,6 +232,8 @@ def run(
                 trainer.graphs = GraphedBody(split_body_and_head(trainer.model)[0], trainer.precision)
             elif not arm.cuda_graphs:
                 trainer.graphs = None  # its recorded graphs, and their memory pools, go
+            if args.engine == "hf":
+                engine.graphs = decode_graphs if arm.rollout_graphs else None
             use_logprob_head(arm.head)
             cfg.rl.batch_per_replica = arm.prompts * arm.samples
             cfg.rl.micro_batch_per_replica = arm.micro_batch
@@ -453,6 +459,7 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
     result = {
         "arm": name,
         "engine": args.engine,
+        "decode_graphs": args.engine == "hf" and getattr(engine, "graphs", None) is not None,
         "model": args.model,
         "params": n_params,
         "dtype": str(next(model.parameters()).dtype),
@@ -533,6 +540,12 @@ def main(argv: list[str] | None = None) -> int:
         "(torch's), triton or logsumexp (the earlier one); benchmarks/logprob_heads.py",
     )
     p.add_argument("--async-scheduling", action="store_true", help="vLLM async scheduling")
+    p.add_argument(
+        "--no-rollout-graphs",
+        dest="rollout_graphs",
+        action="store_false",
+        help="--engine hf: decode eagerly (rollout.cuda_graphs=false; auto graphs it on CUDA)",
+    )
     p.add_argument("--off-policy", action="store_true", help="rl.max_off_policy_steps=1: sample k+1 while k trains")
     p.add_argument(
         "--engines",

@@ -142,6 +142,11 @@
 #   warm   a throwaway two-step W arm, the first call of a lease after the kit's (a lease's first arm runs slow)
 #   lease39a one-step off-policy W as a run does it, then W on-policy as shipped (after warm); lease39b TRL on W,
 #          then the off-policy arm again; lease39c W on-policy again, then the small job and TRL's (lease21s)
+#   lease40a the hf engine's decode replayed as CUDA graphs (rollout.cuda_graphs, fortieth session), no vLLM kit
+#          (carry .whl): its GPU tests, then W on the hf engine graphed, eager, graphed again (one process), then
+#          the small step's size (random 135M, 4 prompts x 8 x 16 tokens, random advantages) graphed and eager;
+#          lease40b with the kit: the same small step and W on vLLM as shipped, then TRL on W (the same lease's
+#          ratios); lease40c the 1.5B shape on the hf engine graphed, then on vLLM as shipped
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -1234,6 +1239,38 @@ PY
     environment
     engine_arm w_l39_on2 /tmp/m05 64 170 1
     bash "$0" lease21s ;;
+  lease40a)
+    kit_free
+    gpu_test_files graphed_decode_gpu 200 tests/gpu/test_graphed_decode_gpu.py
+    model 0.5b /tmp/m05
+    (model 135m /tmp/m135 &)
+    step w_l40_hf 280 --engine hf --model /tmp/m05 --micro-batch 64 --out-dir "$R/w_l40_hf" \
+      --arms "hf_graphed:steps=5;hf_eager:steps=3,rollout_graphs=0;hf_graphed2:steps=4"
+    pack
+    model 135m /tmp/m135
+    step small_l40_hf 120 --engine hf --model /tmp/m135 --prompts 4 --samples 8 --max-tokens 16 --micro-batch 32 \
+      --out-dir "$R/small_l40_hf" --arms "small_graphed:steps=10;small_eager:steps=6,rollout_graphs=0;small_graphed2:steps=6"
+    pack ;;
+  lease40b)
+    # after lease40a on the same machine, the kit's last part carried: vLLM on the same two workloads, then TRL on W
+    environment
+    device_info
+    model 0.5b /tmp/m05
+    model 135m /tmp/m135
+    step small_l40_vllm 200 --model /tmp/m135 --prompts 4 --samples 8 --max-tokens 16 --micro-batch 32 --steps 10 \
+      --out "$R/small_l40_vllm.json"
+    pack
+    engine_arm w_l40_vllm /tmp/m05 64 200 1
+    trl w_l40 170 /tmp/m05 32,8,256
+    pack ;;
+  lease40c)
+    environment
+    model 1.5b /tmp/m15
+    step b15_l40_hf 250 --engine hf --model /tmp/m15 --micro-batch 32 --out-dir "$R/b15_l40_hf" \
+      --arms "hf_graphed:steps=5"
+    pack
+    engine_arm b15_l40_vllm /tmp/m15 32 240 1
+    pack ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;
   all)

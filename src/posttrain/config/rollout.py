@@ -12,6 +12,9 @@ from pydantic import Field, field_validator
 
 from posttrain.config.section import SEED_BOUND, Section
 
+GRAPHED_DECODE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""The model types whose decode ``rollout.cuda_graphs`` graphs (rollout/graphed_decode.py)."""
+
 
 class RolloutConfig(Section):
     """The rollout engine and its sampling controls."""
@@ -62,6 +65,15 @@ class RolloutConfig(Section):
     CPU with torch's MKL, else ``onednn_packed`` where torch packs, else ``row_major``
     (models/cpu_decode_layout.py). The layouts round differently, so they draw differently: a run and its
     resume on one machine read the same."""
+
+    cuda_graphs: bool | Literal["auto"] = "auto"
+    """The hf engine on CUDA: each decode step (draw, record, the decoder's forward) recorded once as a CUDA
+    graph and replayed per token, the KV cache a fixed buffer, finished rows kept in the batch unrecorded;
+    the prefill stays eager (rollout/graphed_decode.py). A step of a small model is bound by the host's
+    launches, not the GPU. ``auto``: on for a dense full-attention llama, mistral, qwen2 or qwen3 policy on
+    CUDA (not for calls that record the top-k head: score centering's); ``true`` refuses anything else.
+    Its draws differ from the eager decode's for the same seed (the uniforms are drawn per call, the
+    kernels round differently); a run and its resume on one machine draw the same."""
 
     @field_validator("sampler_logprobs_samples")
     @classmethod

@@ -23,7 +23,7 @@ from posttrain.config.loading import shown
 from posttrain.config.schema import RunConfig
 from posttrain.data.arithmetic import template_format_problem
 from posttrain.models.precision import precision_conflict
-from posttrain.preflight.cuda_graphs import check_cuda_graphs
+from posttrain.preflight.cuda_graphs import check_cuda_graphs, check_rollout_cuda_graphs
 from posttrain.preflight.eval import check_eval
 from posttrain.preflight.findings import Findings
 from posttrain.preflight.fused_kernels import check_fused_kernels, check_triton_logprob_head
@@ -400,6 +400,7 @@ def run_checks(cfg: ConfigT, objective_checks: Sequence[Callable[[ConfigT, Findi
     check_fused_kernels(cfg, findings, cuda_major=cuda_major)
     check_triton_logprob_head(cfg, findings, cuda_major=cuda_major)
     check_cuda_graphs(cfg, findings, cuda_major=cuda_major)
+    check_rollout_cuda_graphs(cfg, findings, cuda_major=cuda_major)
     conflict = precision_conflict(cfg.model.dtype, cfg.model.compute_dtype)  # contradictory dtypes, by name
     if conflict is not None:
         findings.errors.append(conflict)

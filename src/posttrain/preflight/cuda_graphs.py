@@ -15,11 +15,16 @@ the body of one plain, unsharded policy over right-padded rows, so refused are:
 * a sparse-MoE policy (its routing sorts tokens to experts by data-dependent sizes, which a graph
   cannot replay) and a vision-language one (image inputs vary per batch).
 
+``rollout.cuda_graphs=true`` (the hf engine's decode replayed as CUDA graphs; ``rollout/graphed_decode.py``)
+is refused with vLLM (which records its own), off CUDA, and for a model type the graphed decode does not run
+(``check_rollout_cuda_graphs``); the rest of its rules need the loaded model and are the engine's.
+
 Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+from posttrain.config.rollout import GRAPHED_DECODE_MODEL_TYPES
 from posttrain.config.schema import RunConfig
 from posttrain.models.loading import local_model_config
 from posttrain.preflight.findings import Findings
@@ -63,3 +68,30 @@ def check_cuda_graphs(cfg: RunConfig, out: Findings, cuda_major: int | None) -> 
         out.errors.append(f"{head}: {found[0]} is a sparse-MoE model, whose routing a graph cannot replay; {OFF}")
     if "vision_config" in config:
         out.errors.append(f"{head}: {found[0]} is a vision-language model, whose image inputs vary per batch; {OFF}")
+
+
+ROLLOUT_OFF = "set rollout.cuda_graphs=auto"
+
+
+def check_rollout_cuda_graphs(cfg: RunConfig, out: Findings, cuda_major: int | None) -> None:
+    """``rollout.cuda_graphs=true``: the hf engine on CUDA, over a model type its graphed decode runs."""
+    if cfg.rollout.cuda_graphs is not True:
+        return
+    head = "rollout.cuda_graphs=true"
+    if cfg.rollout.backend != "hf":
+        out.errors.append(
+            f"{head} graphs the hf engine's decode; rollout.backend={cfg.rollout.backend} records its own; "
+            f"{ROLLOUT_OFF}"
+        )
+        return
+    if (where := policy_off_cuda(cfg.model, cuda_major)) is not None:
+        out.errors.append(f"{head} records CUDA graphs, but {where}; {ROLLOUT_OFF}")
+    found = local_model_config(cfg.model.name_or_path, cfg.model.revision)
+    if found is None:
+        return
+    model_type = found[1].get("model_type")
+    if model_type not in GRAPHED_DECODE_MODEL_TYPES or model_is_sparse_moe(found[1]):
+        out.errors.append(
+            f"{head}: {found[0]} is a {model_type!r} model{' (sparse MoE)' if model_is_sparse_moe(found[1]) else ''}; "
+            f"the graphed decode runs dense {', '.join(GRAPHED_DECODE_MODEL_TYPES)} models; {ROLLOUT_OFF}"
+        )

@@ -39,6 +39,8 @@ def build_rollout_engine(cfg: RunConfig, model: Any, tokenizer: Any, log: Metric
         hf_engine = build_hf_engine(cfg, engine_model, tokenizer)
         if next(model.parameters()).device.type == "cpu":  # the layout changes the draws: say which
             log.info(f"rollout: transformers engine, {hf_engine.weight_layout_note}")
+        else:  # so do graphs
+            log.info(f"rollout: transformers engine, {hf_engine.decode_note}")
         return hf_engine
     # vLLM runs in the compute dtype (bf16 under mixed precision, whatever the master weights'
     # dtype: its attention kernels take no fp32) and receives the weights cast to it.
@@ -86,6 +88,7 @@ def build_hf_engine(cfg: RunConfig, model: Any, tokenizer: Any) -> HFRolloutEngi
         batch_size=cfg.rollout.batch_size,
         precision=policy_precision(cfg, model),
         cpu_weight_layout=cfg.rollout.cpu_weight_layout,
+        cuda_graphs=cfg.rollout.cuda_graphs,
     )
 
 

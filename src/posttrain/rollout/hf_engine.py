@@ -52,6 +52,7 @@ from posttrain.rollout.base import (
     check_generate_inputs,
     generation_stats,
 )
+from posttrain.rollout.graphed_decode import DecodeGraphs, decode_graphs_choice
 from posttrain.rollout.state import EngineState, HoldsEngineState
 
 if TYPE_CHECKING:
@@ -111,35 +112,48 @@ def warp_logits(scores_BV: torch.Tensor, params: SamplingParams, seen_BV: torch.
 def draw_tokens(
     raw_logits_BV: torch.Tensor,
     params: SamplingParams,
-    generator: torch.Generator,
+    generator: torch.Generator | None,
     seen_BV: torch.Tensor | None = None,
+    uniform_B1: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; returns ``(ids_B, logprobs_BV)``: the ids and the whole raw tempered
-    log-distribution (``log_softmax(raw / temperature)``; temperature 1 when greedy)."""
+    log-distribution (``log_softmax(raw / temperature)``; temperature 1 when greedy). The draw's uniform
+    numbers (float64, ``[B, 1]``) come from ``generator``, or are given (``uniform_B1``: the graphed decode)."""
     raw_logits_BV = raw_logits_BV.float()
     if params.temperature <= 0:  # greedy; its logprob is reported at temperature 1
         ids_B = warp_logits(raw_logits_BV, _untempered(params), seen_BV).argmax(dim=-1)
         logprobs_BV = torch.log_softmax(raw_logits_BV, dim=-1)
     else:
         probs_BV = torch.softmax(warp_logits(raw_logits_BV, params, seen_BV), dim=-1)
-        ids_B = _inverse_cdf_sample(probs_BV, generator)
+        if uniform_B1 is None:
+            assert generator is not None, "draw_tokens needs a generator or the uniforms"
+            shape = (probs_BV.shape[0], 1)
+            uniform_B1 = torch.rand(shape, generator=generator, dtype=torch.float64, device=probs_BV.device)
+        ids_B = _inverse_cdf_sample(probs_BV, uniform_B1)
         tempered_BV = raw_logits_BV if params.temperature == 1.0 else raw_logits_BV / params.temperature
         logprobs_BV = torch.log_softmax(tempered_BV, dim=-1)
     return ids_B, logprobs_BV
 
 
-def _inverse_cdf_sample(probs_BV: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _graph_draw(
+    logits_BV: torch.Tensor, params: SamplingParams, uniform_B1: torch.Tensor, seen_BV: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``draw_tokens`` with given uniforms: the graphed decode's sampler."""
+    return draw_tokens(logits_BV, params, None, seen_BV, uniform_B1)
+
+
+def _inverse_cdf_sample(probs_BV: torch.Tensor, uniform_B1: torch.Tensor) -> torch.Tensor:
     """One draw per row by inverting the CDF with a single uniform number.
 
     Six times faster than ``torch.multinomial`` on CPU at a 49k vocabulary (which draws one
-    exponential per vocabulary entry). The CDF is accumulated in float64 so that rounding does not
-    shift mass between tokens; an id of probability zero is never returned (its CDF step is flat).
+    exponential per vocabulary entry); ``uniform_B1``: each row's number in [0, 1). The CDF is accumulated in
+    float64 so that rounding does not shift mass between tokens; an id of probability zero is never returned
+    (its CDF step is flat).
     ``cumsum(dtype=float64)`` upcasts as it goes: the same sums as a float64 copy's cumsum, bitwise,
     without the copy (a quarter of the draw's time at 32 x 49,152 on a 2-core CPU).
     """
     cdf_BV = torch.cumsum(probs_BV, dim=-1, dtype=torch.float64)
-    u_B1 = torch.rand((probs_BV.shape[0], 1), generator=generator, dtype=torch.float64, device=probs_BV.device)
-    ids_B1 = torch.searchsorted(cdf_BV, u_B1 * cdf_BV[:, -1:], right=True)
+    ids_B1 = torch.searchsorted(cdf_BV, uniform_B1 * cdf_BV[:, -1:], right=True)
     return ids_B1.squeeze(-1).clamp(max=probs_BV.shape[-1] - 1)
 
 
@@ -214,11 +228,13 @@ class HFRolloutEngine(HoldsEngineState):
         eos_ids: list[int] | None = None,
         precision: Precision | None = None,
         cpu_weight_layout: str = "auto",
+        cuda_graphs: bool | str = "auto",
     ) -> None:
         """``precision``: the policy's (mixed: sampling reads the weights as the training forward does, so
         the sampler's logprobs are comparable with the trainer's); None computes in the weights' dtype.
         ``cpu_weight_layout``: ``rollout.cpu_weight_layout``, the layout fp32 CPU linear weights are read
-        in while decoding (``models/cpu_decode_layout.py``)."""
+        in while decoding (``models/cpu_decode_layout.py``). ``cuda_graphs``: ``rollout.cuda_graphs``, the
+        decode on CUDA replayed as CUDA graphs (``rollout/graphed_decode.py``)."""
         if batch_size < 1:
             raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
         self.model = model
@@ -234,6 +250,8 @@ class HFRolloutEngine(HoldsEngineState):
         # The pad id only fills masked slots, so any valid id works when the tokenizer has none.
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.state = EngineState()
+        graphed, self.decode_note = decode_graphs_choice(cuda_graphs, model)
+        self.graphs = DecodeGraphs(model, precision, self.eos_ids, _graph_draw) if graphed else None
 
     # -- shutdown ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -302,10 +320,14 @@ class HFRolloutEngine(HoldsEngineState):
 
     def _compute(self) -> ExitStack[bool | None]:
         """The policy's weights as compute-dtype copies when it is mixed, as its training forward
-        reads them (``compute_weights``); on a CPU, fp32 linear weights in the layout its library multiplies
-        a decode step's few rows by fastest: column-major copies (MKL on an Intel CPU) or oneDNN-packed ones
+        reads them (``compute_weights``; with graphed decoding the graphs' own copies, refreshed in place);
+        on a CPU, fp32 linear weights in the layout its library multiplies a decode step's few rows by
+        fastest: column-major copies (MKL on an Intel CPU) or oneDNN-packed ones
         (``rollout.cpu_weight_layout``, ``models/cpu_decode_layout.py``). Both leave CUDA weights alone."""
         stack = ExitStack()
+        if self.graphs is not None:
+            stack.enter_context(self.graphs.weights())
+            return stack
         if self.precision is not None and self.precision.mixed:
             stack.enter_context(compute_weights(self.model, self.precision))
         if self.decode_layout == "column_major":
@@ -372,6 +394,8 @@ class HFRolloutEngine(HoldsEngineState):
 
         cache = DynamicCache(config=self.model.config)
         state = self._prefill(prompts, counts, params, device, cache)
+        if self.graphs is not None and params.logprobs_topk == 0:
+            return self._decode_graphed(state, cache, params, generator)
         rows = state.alive_A.numel()
         tokens_BT = torch.full((rows, params.max_tokens), -1, dtype=torch.long, device=device)
         logprobs_BT = torch.zeros((rows, params.max_tokens), dtype=torch.float32, device=device)
@@ -401,6 +425,25 @@ class HFRolloutEngine(HoldsEngineState):
             state.pos_A = state.pos_A + 1
             state.logits_AV = self._forward(next_A[:, None], state.mask_AK, state.pos_A[:, None], cache)
         return self._collect(tokens_BT, logprobs_BT, stopped_B, heads)
+
+    def _decode_graphed(
+        self, state: _DecodeState, cache: Any, params: SamplingParams, generator: torch.Generator
+    ) -> list[_Sampled]:
+        """The decode after ``state``'s prefill, one recorded step replayed per token (``graphed_decode``)."""
+        assert self.graphs is not None
+        width = state.mask_AK.shape[1]
+        static, graph = self.graphs.decode(state.alive_A.numel(), width, params)
+        static.start(
+            cache,
+            width,
+            mask_BK=state.mask_AK,
+            pos_B=state.pos_A,
+            logits_BV=state.logits_AV,
+            seen_BV=state.seen_AV,
+            generator=generator,
+        )
+        steps = self.graphs.replay(static, graph)
+        return self._collect(*static.collect(steps), None)
 
     @staticmethod
     def _collect(
