@@ -167,3 +167,31 @@ def test_the_preflight_refuses_rollout_cuda_graphs_where_it_cannot_run(
     out = Findings()
     check_rollout_cuda_graphs(cfg, out, cuda_major=None)
     assert out.errors == []
+
+
+def test_a_failed_recording_decodes_eagerly_under_auto_and_raises_under_true(
+    smollm2_tokenizer_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``auto``: the call that could not record its step decodes eagerly, as the engine without graphs does,
+    and later calls too; ``true``: the run stops with the knob named."""
+    from posttrain.errors import TrainingError
+    from posttrain.rollout.graphed_decode import DecodeGraphs
+    from posttrain.rollout.hf_engine import _graph_draw
+
+    def fail(_self: Any, _static: Any) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "_record", fail)
+    eager, static = _engines("llama", smollm2_tokenizer_dir, tmp_path)
+    model = static.model
+    static.graphs = DecodeGraphs(model, None, static.eos_ids, _graph_draw)  # auto: record, which fails
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=2)
+    assert _tokens(static.generate(PROMPTS, 2, params)) == _tokens(eager.generate(PROMPTS, 2, params))
+    assert static.graphs is None
+    static.graphs = DecodeGraphs(model, None, static.eos_ids, _graph_draw, forced=True)
+    with pytest.raises(TrainingError, match=r"rollout\.cuda_graphs=true: recording the decode step failed"):
+        static.generate(PROMPTS, 2, params)
+
+
+def _tokens(batch: Any) -> list[list[int]]:
+    return [c.token_ids for c in batch.completions]

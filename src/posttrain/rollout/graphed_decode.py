@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posttrain.config.rollout import GRAPHED_DECODE_MODEL_TYPES
+from posttrain.errors import TrainingError
 from posttrain.models.moe import is_sparse_moe
 from posttrain.models.precision import Precision, parameters_read_as
 from posttrain.models.structure import split_body_and_head
@@ -295,10 +296,13 @@ class DecodeGraphs:
         draw: Callable[..., Any],
         *,
         record: bool = True,
+        forced: bool = False,
     ):
         """``record=False`` runs the same static step eagerly instead of recording it: what the CPU tests
-        compare with the engine's eager decode."""
+        compare with the engine's eager decode. ``forced`` (``rollout.cuda_graphs=true``): a recording that
+        fails raises; otherwise (``auto``) it is logged and the engine decodes eagerly from then on."""
         self.model, self.precision, self.eos_ids, self.draw, self.record = model, precision, eos_ids, draw, record
+        self.forced = forced
         self.mixed = precision is not None and precision.mixed
         self.dtype = precision.compute_dtype if precision is not None else next(model.parameters()).dtype
         self.graphs: OrderedDict[tuple[Any, ...], tuple[StaticDecode, torch.cuda.CUDAGraph | None]] = OrderedDict()
@@ -330,8 +334,11 @@ class DecodeGraphs:
         with parameters_read_as(self.model, read):
             yield
 
-    def decode(self, rows: int, width: int, params: SamplingParams) -> tuple[StaticDecode, torch.cuda.CUDAGraph | None]:
-        """The recorded decode for ``rows`` rows after prompts ``width`` slots wide (recorded now if new)."""
+    def decode(
+        self, rows: int, width: int, params: SamplingParams
+    ) -> tuple[StaticDecode, torch.cuda.CUDAGraph | None] | None:
+        """The recorded decode for ``rows`` rows after prompts ``width`` slots wide (recorded now if new);
+        None when recording it failed under ``auto`` (the caller decodes eagerly)."""
         slots = -(-(width + params.max_tokens + 1) // SLOT_BUCKET) * SLOT_BUCKET
         key = (
             rows,
@@ -350,7 +357,16 @@ class DecodeGraphs:
         static = StaticDecode(
             self.model, rows, slots, params=params, eos_ids=self.eos_ids, dtype=self.dtype, draw=self.draw
         )
-        self.graphs[key] = (static, self._record(static) if self.record else None)
+        try:
+            self.graphs[key] = (static, self._record(static) if self.record else None)
+        except RuntimeError as err:
+            if self.forced:
+                raise TrainingError(
+                    f"rollout.cuda_graphs=true: recording the decode step failed ({err}); set "
+                    "rollout.cuda_graphs=auto to decode eagerly where it fails"
+                ) from err
+            log.warning("rollout.cuda_graphs=auto: recording the decode step failed (%s); decoding eagerly", err)
+            return None
         return self.graphs[key]
 
     @staticmethod

@@ -251,7 +251,9 @@ class HFRolloutEngine(HoldsEngineState):
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.state = EngineState()
         graphed, self.decode_note = decode_graphs_choice(cuda_graphs, model)
-        self.graphs = DecodeGraphs(model, precision, self.eos_ids, _graph_draw) if graphed else None
+        self.graphs = (
+            DecodeGraphs(model, precision, self.eos_ids, _graph_draw, forced=cuda_graphs is True) if graphed else None
+        )
 
     # -- shutdown ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -395,7 +397,9 @@ class HFRolloutEngine(HoldsEngineState):
         cache = DynamicCache(config=self.model.config)
         state = self._prefill(prompts, counts, params, device, cache)
         if self.graphs is not None and params.logprobs_topk == 0:
-            return self._decode_graphed(state, cache, params, generator)
+            graphed = self._decode_graphed(state, cache, params, generator)
+            if graphed is not None:
+                return graphed
         rows = state.alive_A.numel()
         tokens_BT = torch.full((rows, params.max_tokens), -1, dtype=torch.long, device=device)
         logprobs_BT = torch.zeros((rows, params.max_tokens), dtype=torch.float32, device=device)
@@ -428,11 +432,16 @@ class HFRolloutEngine(HoldsEngineState):
 
     def _decode_graphed(
         self, state: _DecodeState, cache: Any, params: SamplingParams, generator: torch.Generator
-    ) -> list[_Sampled]:
-        """The decode after ``state``'s prefill, one recorded step replayed per token (``graphed_decode``)."""
+    ) -> list[_Sampled] | None:
+        """The decode after ``state``'s prefill, one recorded step replayed per token (``graphed_decode``);
+        None when the step could not be recorded (``auto``): the engine decodes eagerly from then on."""
         assert self.graphs is not None
         width = state.mask_AK.shape[1]
-        static, graph = self.graphs.decode(state.alive_A.numel(), width, params)
+        recorded = self.graphs.decode(state.alive_A.numel(), width, params)
+        if recorded is None:
+            self.graphs = None
+            return None
+        static, graph = recorded
         static.start(
             cache,
             width,
