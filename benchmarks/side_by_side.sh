@@ -145,8 +145,8 @@
 #   lease40a the hf engine's decode replayed as CUDA graphs (rollout.cuda_graphs, fortieth session), no vLLM kit
 #          (carry .whl): its GPU tests, then W on the hf engine graphed, eager, graphed again (one process), then
 #          the small step's size (random 135M, 4 prompts x 8 x 16 tokens, random advantages) graphed and eager;
-#          lease40b with the kit: the same small step and W on vLLM as shipped, then TRL on W (the same lease's
-#          ratios); lease40c the 1.5B shape on the hf engine graphed, then on vLLM as shipped
+#          lease40b with the kit: W on vLLM as shipped, TRL on W (the same lease's ratios), then the same small
+#          step on vLLM; lease40c the 1.5B shape on the hf engine graphed, then on vLLM as shipped
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -1256,12 +1256,12 @@ PY
     environment
     device_info
     model 0.5b /tmp/m05
-    model 135m /tmp/m135
-    step small_l40_vllm 200 --model /tmp/m135 --prompts 4 --samples 8 --max-tokens 16 --micro-batch 32 --steps 10 \
-      --out "$R/small_l40_vllm.json"
-    pack
     engine_arm w_l40_vllm /tmp/m05 64 200 1
     trl w_l40 170 /tmp/m05 32,8,256
+    pack
+    model 135m /tmp/m135
+    step small_l40_vllm 150 --model /tmp/m135 --prompts 4 --samples 8 --max-tokens 16 --micro-batch 32 --steps 10 \
+      --out "$R/small_l40_vllm.json"
     pack ;;
   lease40c)
     environment
