@@ -1245,7 +1245,7 @@ PY
     model 0.5b /tmp/m05
     (model 135m /tmp/m135 &)
     step w_l40_hf 280 --engine hf --model /tmp/m05 --micro-batch 64 --out-dir "$R/w_l40_hf" \
-      --arms "hf_graphed:steps=5;hf_eager:steps=3,rollout_graphs=0;hf_graphed2:steps=4"
+      --arms "hf_graphed:steps=4;hf_eager:steps=2,rollout_graphs=0;hf_graphed2:steps=3"
     pack
     model 135m /tmp/m135
     step small_l40_hf 120 --engine hf --model /tmp/m135 --prompts 4 --samples 8 --max-tokens 16 --micro-batch 32 \
