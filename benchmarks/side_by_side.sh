@@ -1241,12 +1241,12 @@ PY
     bash "$0" lease21s ;;
   lease40a)
     kit_free
-    gpu_test_files graphed_decode_gpu 200 tests/gpu/test_graphed_decode_gpu.py
     model 0.5b /tmp/m05
     (model 135m /tmp/m135 &)
-    step w_l40_hf 280 --engine hf --model /tmp/m05 --micro-batch 64 --out-dir "$R/w_l40_hf" \
+    step w_l40_hf 200 --engine hf --model /tmp/m05 --micro-batch 64 --out-dir "$R/w_l40_hf" \
       --arms "hf_graphed:steps=4;hf_eager:steps=2,rollout_graphs=0;hf_graphed2:steps=3"
     pack
+    gpu_test_files graphed_decode_gpu 160 tests/gpu/test_graphed_decode_gpu.py
     model 135m /tmp/m135
     step small_l40_hf 120 --engine hf --model /tmp/m135 --prompts 4 --samples 8 --max-tokens 16 --micro-batch 32 \
       --out-dir "$R/small_l40_hf" --arms "small_graphed:steps=10;small_eager:steps=6,rollout_graphs=0;small_graphed2:steps=6"
