@@ -145,7 +145,7 @@
 #   lease40a the hf engine's decode replayed as CUDA graphs (rollout.cuda_graphs, fortieth session), no vLLM kit
 #          (carry .whl): its GPU tests, then W on the hf engine graphed, eager, graphed again (one process), then
 #          the small step's size (random 135M, 4 prompts x 8 x 16 tokens, random advantages) graphed and eager;
-#          lease40b with the kit: W on vLLM as shipped, TRL on W (the same lease's ratios), then the same small
+#          lease40s the W arms and the GPU tests alone (a short lease); lease40b with the kit: W on vLLM as shipped, TRL on W (the same lease's ratios), then the same small
 #          step on vLLM; lease40c the 1.5B shape on the hf engine graphed, then on vLLM as shipped
 #   table  the tables from /tmp/sbs
 #
@@ -1251,6 +1251,14 @@ PY
     step small_l40_hf 120 --engine hf --model /tmp/m135 --prompts 4 --samples 8 --max-tokens 16 --micro-batch 32 \
       --out-dir "$R/small_l40_hf" --arms "small_graphed:steps=10;small_eager:steps=6,rollout_graphs=0;small_graphed2:steps=6"
     pack ;;
+  lease40s)
+    # lease40a cut to what a lease's last few minutes hold: W graphed and eager, then the GPU tests
+    kit_free
+    model 0.5b /tmp/m05
+    step w_l40_hf 130 --engine hf --model /tmp/m05 --micro-batch 64 --out-dir "$R/w_l40_hf" \
+      --arms "hf_graphed:steps=3;hf_eager:steps=2,rollout_graphs=0"
+    pack
+    gpu_test_files graphed_decode_gpu 150 tests/gpu/test_graphed_decode_gpu.py ;;
   lease40b)
     # after lease40a on the same machine, the kit's last part carried: vLLM on the same two workloads, then TRL on W
     environment
