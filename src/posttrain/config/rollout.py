@@ -70,7 +70,8 @@ class RolloutConfig(Section):
     """The hf engine on CUDA: each decode step (draw, record, the decoder's forward) recorded once as a CUDA
     graph and replayed per token, the KV cache a fixed buffer, finished rows kept in the batch unrecorded;
     the prefill stays eager (rollout/graphed_decode.py). A step of a small model is bound by the host's
-    launches, not the GPU. ``auto``: on for a dense full-attention llama, mistral, qwen2 or qwen3 policy on
+    launches, not the GPU: W's generation (0.4B, 256 x 256 tokens) took 0.86 s graphed against 16.5 s eager on
+    one H100 (docs/gpu.md). ``auto``: on for a dense full-attention llama, mistral, qwen2 or qwen3 policy on
     CUDA (not for calls that record the top-k head: score centering's); ``true`` refuses anything else.
     Its draws differ from the eager decode's for the same seed (the uniforms are drawn per call, the
     kernels round differently); a run and its resume on one machine draw the same."""
