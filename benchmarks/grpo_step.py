@@ -17,6 +17,7 @@ Step 1 carries warm-ups (CUDA graphs, autotuning); the summary is the median of 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -29,6 +30,31 @@ import torch
 from logprob_heads import HEADS, use_logprob_head  # this script's directory (sys.path[0])
 
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet); ~790e12 measured on the device
+
+
+class _GCPauses:
+    """Seconds Python's cyclic garbage collector held the interpreter, summed since the last ``take()``: the
+    fortieth lease's update ran 0.3 s slower after the graphed decode (which allocates almost nothing per token)
+    than after the eager one, and a full collection landing in the update is one candidate."""
+
+    def __init__(self) -> None:
+        self.total_s, self.count, self._start = 0.0, 0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, _info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._start
+            self.count += 1
+
+    def take(self) -> tuple[float, int]:
+        taken = (self.total_s, self.count)
+        self.total_s, self.count = 0.0, 0
+        return taken
+
+
+GC_PAUSES = _GCPauses()
 
 
 def _sync() -> None:
@@ -397,10 +423,12 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
         comps = rollout.completions
         _sync()
         allocator_before = _allocator_counts()
+        GC_PAUSES.take()
         t0, cpu0 = time.perf_counter(), time.thread_time()
         metrics = trainer.train_on(batch, step)
         _sync()
         train_s, train_cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
+        train_gc_s, train_gc_count = GC_PAUSES.take()
         allocator_during = {k: v - allocator_before[k] for k, v in _allocator_counts().items()}
         source.settle()
         t0 = time.perf_counter()
@@ -424,6 +452,9 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
             "optimizer_s": acc.get("optimizer_s", 0.0),
             # the trainer thread's own CPU time over the train phase: near train_s when the host sets the pace
             "train_thread_cpu_s": train_cpu_s,
+            # the garbage collector's pauses inside the train phase, and how many collections ran there
+            "train_gc_s": train_gc_s,
+            "train_gc_collections": train_gc_count,
             **allocator_during,
             "weight_sync_s": sync_s,
             "wake_s": getattr(engine, "last_wake_s", 0.0) if args.sleep else 0.0,
@@ -446,9 +477,10 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
         print(
             f"step {step}: {step_s:.2f}s | gen {gen_s:.2f}s ({row['gen_tokens_per_s']:.0f} tok/s, {gen_tokens} tok) | "
             f"logprob pass {logprob_s:.2f}s | update {update_s:.2f}s (opt {row['optimizer_s']:.2f}s, "
-            f"MFU {100 * row['mfu_update']:.1f}%, host {train_cpu_s:.2f}s, retries {row['alloc_retries']}, "
-            f"cudaMalloc {row['device_allocs']}) | sync {sync_s:.3f}s | other {row['other_s']:.2f}s | "
-            f"peak {row['peak_alloc_gib']:.1f} GiB, used {row['used_gib']:.1f} GiB | gap mean "
+            f"MFU {100 * row['mfu_update']:.1f}%, host {train_cpu_s:.2f}s, gc {train_gc_s:.3f}s, "
+            f"retries {row['alloc_retries']}, cudaMalloc {row['device_allocs']}) | sync {sync_s:.3f}s | "
+            f"other {row['other_s']:.2f}s | peak {row['peak_alloc_gib']:.1f} GiB, used {row['used_gib']:.1f} GiB | "
+            f"gap mean "
             f"{row['logprob_gap_mean']:.4f} max {row['logprob_gap_max']:.3f}",
             flush=True,
         )
