@@ -195,3 +195,27 @@ def test_a_failed_recording_decodes_eagerly_under_auto_and_raises_under_true(
 
 def _tokens(batch: Any) -> list[list[int]]:
     return [c.token_ids for c in batch.completions]
+
+
+def test_mixed_precision_copies_follow_replaced_parameters(smollm2_tokenizer_dir: str, tmp_path: Path) -> None:
+    """fp32 weights computing in bf16: the decode reads the engine's bf16 copies, refreshed every call; a
+    parameter replaced by a new object (a load with ``assign=True``, say) gets a new copy and drops the
+    recorded shapes instead of reading the old one."""
+    from torch import nn
+
+    from posttrain.models.precision import Precision
+    from posttrain.rollout.graphed_decode import DecodeGraphs
+    from posttrain.rollout.hf_engine import HFRolloutEngine, _graph_draw
+
+    eager, _ = _engines("llama", smollm2_tokenizer_dir, tmp_path)
+    model, precision = eager.model, Precision(torch.float32, torch.bfloat16)
+    graphed = HFRolloutEngine(model, eager.tokenizer, precision=precision)
+    graphed.graphs = DecodeGraphs(model, precision, graphed.eos_ids, _graph_draw, record=False)
+    reference = HFRolloutEngine(model, eager.tokenizer, precision=precision)  # compute_weights' fresh copies
+    params = SamplingParams(max_tokens=8, temperature=0.0, seed=0)
+    assert _tokens(graphed.generate(PROMPTS, 1, params)) == _tokens(reference.generate(PROMPTS, 1, params))
+    assert len(graphed.graphs.graphs) == 1
+    with torch.no_grad():
+        model.lm_head.weight = nn.Parameter(torch.randn_like(model.lm_head.weight) * 2.0)
+    assert _tokens(graphed.generate(PROMPTS, 1, params)) == _tokens(reference.generate(PROMPTS, 1, params))
+    assert id(model.lm_head.weight) in graphed.graphs.copies

@@ -323,7 +323,8 @@ class DecodeGraphs:
             yield
             return
         assert self.precision is not None
-        if not self.copies:
+        if self.copies.keys() != {id(p) for p in params}:  # first call, or parameters replaced or added
+            self.graphs.clear()
             self.copies = {id(p): p.detach().to(self.precision.compute_dtype) for p in params}
         else:
             torch._foreach_copy_([self.copies[id(p)] for p in params], [p.detach() for p in params])
