@@ -27,6 +27,9 @@ taken and nothing extra is stored.
 Sampling is reproducible: every ``generate`` call draws from its own ``torch.Generator`` seeded from
 ``(params.seed, call index)``, never from the global RNG, and the call index is part of
 ``state_dict()`` so a resumed run continues the same stream.
+
+On CUDA (``rollout.cuda_graphs``) the decode after the prefill is one recorded step replayed per token
+over a static KV cache, finished rows kept in the batch unrecorded (``rollout/graphed_decode.py``).
 """
 
 from __future__ import annotations
