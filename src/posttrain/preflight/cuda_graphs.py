@@ -89,9 +89,9 @@ def check_rollout_cuda_graphs(cfg: RunConfig, out: Findings, cuda_major: int | N
     found = local_model_config(cfg.model.name_or_path, cfg.model.revision)
     if found is None:
         return
-    model_type = found[1].get("model_type")
-    if model_type not in GRAPHED_DECODE_MODEL_TYPES or model_is_sparse_moe(found[1]):
+    model_type, sparse = found[1].get("model_type"), model_is_sparse_moe(found[1])
+    if model_type not in GRAPHED_DECODE_MODEL_TYPES or sparse:
         out.errors.append(
-            f"{head}: {found[0]} is a {model_type!r} model{' (sparse MoE)' if model_is_sparse_moe(found[1]) else ''}; "
+            f"{head}: {found[0]} is a {model_type!r} model{' (sparse MoE)' if sparse else ''}; "
             f"the graphed decode runs dense {', '.join(GRAPHED_DECODE_MODEL_TYPES)} models; {ROLLOUT_OFF}"
         )

@@ -25,7 +25,7 @@ What makes a step replayable:
   (``grouped_decode_attention``), so grouped-query attention reads each cached key once instead of
   repeating it per query head as transformers' masked SDPA path does.
 
-Supported: the dense full-attention decoders listed in ``SUPPORTED_MODEL_TYPES`` with plain rotary
+Supported: the dense full-attention decoders listed in ``config.rollout.GRAPHED_DECODE_MODEL_TYPES`` with plain rotary
 embeddings (``decode_graph_support``); the prefill stays the engine's eager forward.
 
 The draws: the same inverse-CDF sampler as the eager loop (``hf_engine.draw_tokens``), its uniforms drawn
@@ -57,10 +57,6 @@ from posttrain.rollout.base import SamplingParams
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = GRAPHED_DECODE_MODEL_TYPES
-"""Decoders whose layers are (RMSNorm, attention with q/k/v/o projections and rotary embeddings, optional
-q/k head norms, RMSNorm, MLP), each with a residual: what ``_layer_step`` runs."""
-
 PLAIN_ROPE = ("default", "linear", "llama3")
 """Rotary embeddings that depend on the positions alone (``dynamic`` and ``longrope`` read the largest
 position on the host, which a graph cannot)."""
@@ -79,8 +75,10 @@ def decode_graph_support(model: nn.Module) -> str | None:
     """None when ``model``'s decode can be graphed here; else why not, for the log or an error."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {model_type!r} (graphed decode: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    # GRAPHED_DECODE_MODEL_TYPES: decoders whose layers are (RMSNorm, attention with q/k/v/o projections and
+    # rotary embeddings, optional q/k head norms, RMSNorm, MLP), each with a residual: what _layer_step runs
+    if model_type not in GRAPHED_DECODE_MODEL_TYPES:
+        return f"model_type {model_type!r} (graphed decode: {', '.join(GRAPHED_DECODE_MODEL_TYPES)})"
     if is_sparse_moe(model):
         return "a sparse-MoE policy"
     body, _ = split_body_and_head(model)
