@@ -17,6 +17,7 @@ Step 1 carries warm-ups (CUDA graphs, autotuning); the summary is the median of 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import random
@@ -27,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from logprob_heads import HEADS, use_logprob_head  # this script's directory (sys.path[0])
+from gpu_profile import profile_call  # this script's directory (sys.path[0])
+from logprob_heads import HEADS, use_logprob_head
 
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet); ~790e12 measured on the device
 
@@ -198,6 +200,7 @@ ARM_KEYS = {
     "rollout_graphs": lambda v: v in ("1", "true", "yes"),  # the hf engine's graphed decode (rollout.cuda_graphs)
     # the logprob head per arm: shipped, log_softmax, triton or logsumexp (benchmarks/logprob_heads.py)
     "head": str,
+    "profile_step": int,  # --profile-step per arm (0: none)
 }
 
 
@@ -373,6 +376,7 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
     texts = _prompt_texts(args.prompts * (args.steps + 1), seed=0 if name == "run" else len(name) * 7919 + args.prompts)
     rng = torch.Generator().manual_seed(0)
     rows = []
+    profiles: dict[str, Any] = {}  # --profile-step: "generation" and "train", gpu_profile.profile_call's summaries
     calls = {"n": 0}
 
     def make_batch(_timer: Any) -> tuple[Any, dict[str, float]]:
@@ -417,7 +421,11 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
         _sync()
         t_step = time.perf_counter()
         t0 = time.perf_counter()
-        (batch, rollout), gen_metrics = source.next(timer)
+        profiled = step == args.profile_step
+        if profiled:  # this step's two phases under torch.profiler; the row is left out of the medians
+            ((batch, rollout), gen_metrics), profiles["generation"] = profile_call(lambda: source.next(timer))
+        else:
+            (batch, rollout), gen_metrics = source.next(timer)
         wait_s = time.perf_counter() - t0
         gen_s = gen_metrics["gen_s"]
         comps = rollout.completions
@@ -425,7 +433,10 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
         allocator_before = _allocator_counts()
         GC_PAUSES.take()
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        metrics = trainer.train_on(batch, step)
+        if profiled:
+            metrics, profiles["train"] = profile_call(functools.partial(trainer.train_on, batch, step))
+        else:
+            metrics = trainer.train_on(batch, step)
         _sync()
         train_s, train_cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
         train_gc_s, train_gc_count = GC_PAUSES.take()
@@ -442,6 +453,7 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
         update_s = train_s - logprob_s
         row = {
             "step": step,
+            "profiled": profiled,
             "step_s": step_s,
             "generation_s": gen_s,
             "engine_gen_s": gen_metrics["engine_gen_s"],
@@ -486,8 +498,13 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
         )
         if "sync_phases" in row and step <= 2:
             print(f"step {step} sync phases: {row['sync_phases']}", flush=True)
-    later = rows[1:] or rows
-    summary = {k: statistics.median(r[k] for r in later) for k, v in rows[0].items() if isinstance(v, float | int)}
+    timed = [r for r in rows if not r["profiled"]]
+    later = timed[1:] or timed
+    summary = {
+        k: statistics.median(r[k] for r in later)
+        for k, v in rows[0].items()
+        if isinstance(v, float | int) and not isinstance(v, bool)
+    }
     result = {
         "arm": name,
         "engine": args.engine,
@@ -503,6 +520,17 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
         "median_steps_2_on": summary,
         "steps": rows,
     }
+    if profiles:
+        result["profile_step"] = args.profile_step
+        result["profiles"] = profiles
+        for phase, prof in profiles.items():
+            top = "; ".join(f"{k['name'][:60]} x{k['count']} {k['gpu_s'] * 1e3:.1f}ms" for k in prof["top_kernels"][:6])
+            print(
+                f"profile {name} step {args.profile_step} {phase}: wall {prof['wall_s']:.3f}s, host "
+                f"{prof['thread_cpu_s']:.3f}s, GPU busy {prof['gpu_busy_s']:.3f}s (union {prof['gpu_union_s']:.3f}s), "
+                f"{prof['kernels']} kernels, {prof['graph_launches']} graph launches; top: {top}",
+                flush=True,
+            )
     if args.engine == "vllm":
         import vllm
 
@@ -525,6 +553,8 @@ def _settle_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.sampler_logprobs_samples = run_cfg.sampler_logprobs_samples
     if args.off_policy and args.sampler_logprobs_samples is not None:
         p.error("--off-policy: its loss reads every sample's sampler logprobs; leave --sampler-logprobs-samples auto")
+    if args.off_policy and args.profile_step:
+        p.error("--profile-step profiles an on-policy step (its generation runs in the caller's thread)")
     if args.off_policy and args.engine != "vllm":
         p.error("--off-policy needs --engine vllm (the transformers engine samples with the trained module)")
     if args.trl and not args.out:
@@ -626,6 +656,13 @@ def main(argv: list[str] | None = None) -> int:
         help='several settings in one process on one engine: "name:key=value,...;name2:..." with keys '
         + ", ".join(ARM_KEYS)
         + " (compile and fused_kernels, once on, stay on); each arm writes NAME.json under --out-dir",
+    )
+    p.add_argument(
+        "--profile-step",
+        type=int,
+        default=0,
+        help="run this step's generation and train phases under torch.profiler (gpu_profile.py; the step's row "
+        "is left out of the medians; on-policy only)",
     )
     p.add_argument("--out-dir", type=Path, help="with --arms: one JSON per arm here")
     p.add_argument("--out", type=Path, help="write the per-step figures as JSON here")

@@ -147,6 +147,9 @@
 #          the small step's size (random 135M, 4 prompts x 8 x 16 tokens, random advantages) graphed and eager;
 #          lease40s the W arms and the GPU tests alone (a short lease); lease40b with the kit: W on vLLM as shipped, TRL on W (the same lease's ratios), then the same small
 #          step on vLLM; lease40c the 1.5B shape on the hf engine graphed, then on vLLM as shipped
+#   lease41a the graphed decode's slower update: W on the hf engine graphed, eager, graphed (one process), one
+#          step of each of the first two profiled (gpu_profile.py), the GPU's clocks and power logged; no kit
+#          (carry .whl); lease41b the 1.5B shape on the hf engine graphed, then the small step's size graphed and eager
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -259,6 +262,12 @@ device_info() {  # the GPU, the host's CPU (host-bound figures move with it: TRL
     python3 -c 'import torch, transformers, vllm, trl; print("torch", torch.__version__, "transformers", transformers.__version__, "vllm", vllm.__version__, "trl", trl.__version__)' 2>&1 | tail -1
   } | tee "$R/device.txt"
 }
+smi_log() {  # NAME: the GPU's SM clock, power, temperature and throttle reasons every 200 ms into $R/smi_NAME.csv
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 200 >"$R/smi_$1.csv" 2>&1 &
+  SMI_PID=$!
+}
+smi_stop() { kill "${SMI_PID:-0}" 2>/dev/null; }
 kit_free() {  # the parts that need no vLLM kit: the image has torch and transformers; pydantic (with
   # pydantic-core, annotated-types, typing-inspection, typing-extensions) and Liger-Kernel travel as wheels in
   # .whl (carry [".whl"]; pip download as the device README says). Into /tmp/sitekf, not /tmp/site: a kit
@@ -1278,6 +1287,30 @@ PY
       --arms "hf_graphed:steps=5"
     pack
     engine_arm b15_l40_vllm /tmp/m15 32 240 1
+    pack ;;
+  lease41a)
+    # the graphed decode's slower update (lease 40: 0.99 s against 0.64-0.81 s beside the eager decode): each
+    # arm's step 3 or 4 profiled (kernels' time against wall and host time), the GPU's clocks and power logged
+    kit_free
+    model 0.5b /tmp/m05
+    smi_log w_l41_hf
+    step w_l41_hf 330 --engine hf --model /tmp/m05 --micro-batch 64 --out-dir "$R/w_l41_hf" \
+      --arms "hf_graphed:steps=5,profile_step=4;hf_eager:steps=4,rollout_graphs=0,profile_step=3;hf_graphed2:steps=4"
+    smi_stop
+    pack ;;
+  lease41b)
+    # the 1.5B shape on the hf engine graphed (one step profiled), then the small step's size graphed and eager
+    kit_free
+    model 1.5b /tmp/m15
+    (model 135m /tmp/m135 &)
+    smi_log b15_l41_hf
+    step b15_l41_hf 300 --engine hf --model /tmp/m15 --micro-batch 32 --out-dir "$R/b15_l41_hf" \
+      --arms "hf_graphed:steps=6,profile_step=5"
+    smi_stop
+    pack
+    model 135m /tmp/m135
+    step small_l41_hf 120 --engine hf --model /tmp/m135 --prompts 4 --samples 8 --max-tokens 16 --micro-batch 32 \
+      --out-dir "$R/small_l41_hf" --arms "small_graphed:steps=10;small_eager:steps=6,rollout_graphs=0"
     pack ;;
   table)
     python3 benchmarks/side_by_side.py --dir "$R" | tee "$R/tables.md"; cp "$R/tables.md" "$OUT"/ 2>/dev/null ;;

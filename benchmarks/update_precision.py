@@ -341,40 +341,11 @@ def update(trainer: Any, batch: Any, step: int, arm: str) -> None:
 
 
 def profile_update(trainer: Any, batch: Any, device: str, step: int, arm: str) -> dict[str, Any]:
-    """One more update under torch.profiler: its wall time, the GPU's busy time (the kernels'
-    durations summed), the kernels and CUDA-graph replays launched, and the aten calls made."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    """One more update under torch.profiler (gpu_profile.profile_call): its wall time against the GPU's
+    busy time, the kernels and CUDA-graph replays launched, the aten calls made."""
+    from gpu_profile import profile_call  # this directory's, on sys.path (main)
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        sync(device)
-        start = time.perf_counter()
-        update(trainer, batch, step, arm)
-        sync(device)
-        wall = time.perf_counter() - start
-    events = prof.events()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-    names = [e.name for e in events]
-    by_kernel: dict[str, list[float]] = {}  # name -> [count, GPU seconds]
-    for e in kernels:
-        entry = by_kernel.setdefault(e.name, [0, 0.0])
-        entry[0] += 1
-        entry[1] += e.time_range.elapsed_us() / 1e6
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
-    ops = prof.key_averages().table(sort_by="self_device_time_total", row_limit=TOP_KERNELS) if kernels else ""
-    return {
-        "wall_s": wall,
-        "gpu_busy_s": sum(e.time_range.elapsed_us() for e in kernels) / 1e6,
-        "kernels": len(kernels),
-        "kernel_launches": sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names),
-        "graph_launches": sum(n == "cudaGraphLaunch" for n in names),
-        "aten_calls": sum(n.startswith("aten::") for n in names),
-        # where the GPU's time goes: the kernels by summed duration, and the operators that launched
-        # them (torch.profiler's table by self device time)
-        "top_kernels": [{"name": n[:200], "count": int(c), "gpu_s": t} for n, (c, t) in top],
-        "ops_table": ops,
-    }
+    return profile_call(lambda: update(trainer, batch, step, arm), top=TOP_KERNELS)[1]
 
 
 def count_syncs(trainer: Any, batch: Any, step: int, arm: str) -> dict[str, int]:
