@@ -201,6 +201,7 @@ ARM_KEYS = {
     # the logprob head per arm: shipped, log_softmax, triton or logsumexp (benchmarks/logprob_heads.py)
     "head": str,
     "profile_step": int,  # --profile-step per arm (0: none)
+    "profile_phases": lambda v: v.split("+"),  # --profile-phases per arm, "+"-separated (generation+train)
 }
 
 
@@ -422,7 +423,8 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
         t_step = time.perf_counter()
         t0 = time.perf_counter()
         profiled = step == args.profile_step
-        if profiled:  # this step's two phases under torch.profiler; the row is left out of the medians
+        # --profile-step: this step's phases under torch.profiler; the row is left out of the medians
+        if profiled and "generation" in args.profile_phases:
             ((batch, rollout), gen_metrics), profiles["generation"] = profile_call(lambda: source.next(timer))
         else:
             (batch, rollout), gen_metrics = source.next(timer)
@@ -433,7 +435,7 @@ def run_arm(  # noqa: PLR0915 - one flat sequence of timed phases
         allocator_before = _allocator_counts()
         GC_PAUSES.take()
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        if profiled:
+        if profiled and "train" in args.profile_phases:
             metrics, profiles["train"] = profile_call(functools.partial(trainer.train_on, batch, step))
         else:
             metrics = trainer.train_on(batch, step)
@@ -663,6 +665,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="run this step's generation and train phases under torch.profiler (gpu_profile.py; the step's row "
         "is left out of the medians; on-policy only)",
+    )
+    p.add_argument(
+        "--profile-phases",
+        type=lambda v: v.split(","),
+        default=["generation", "train"],
+        help="with --profile-step: which phases (comma-separated; an eager hf decode's profile takes minutes)",
     )
     p.add_argument("--out-dir", type=Path, help="with --arms: one JSON per arm here")
     p.add_argument("--out", type=Path, help="write the per-step figures as JSON here")

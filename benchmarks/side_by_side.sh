@@ -147,8 +147,9 @@
 #          the small step's size (random 135M, 4 prompts x 8 x 16 tokens, random advantages) graphed and eager;
 #          lease40s the W arms and the GPU tests alone (a short lease); lease40b with the kit: W on vLLM as shipped, TRL on W (the same lease's ratios), then the same small
 #          step on vLLM; lease40c the 1.5B shape on the hf engine graphed, then on vLLM as shipped
-#   lease41a the graphed decode's slower update: W on the hf engine graphed, eager, graphed (one process), one
-#          step of each of the first two profiled (gpu_profile.py), the GPU's clocks and power logged; no kit
+#   lease41a the graphed decode's slower update: W on the hf engine graphed, eager, graphed with the update's body
+#          as CUDA graphs (model.cuda_graphs=true), graphed again (one process), one step of each of the first two
+#          profiled (gpu_profile.py; the eager arm's train phase only), the GPU's clocks and power logged; no kit
 #          (carry .whl); lease41b the 1.5B shape on the hf engine graphed, then the small step's size graphed and eager
 #   table  the tables from /tmp/sbs
 #
@@ -1295,7 +1296,7 @@ PY
     model 0.5b /tmp/m05
     smi_log w_l41_hf
     step w_l41_hf 330 --engine hf --model /tmp/m05 --micro-batch 64 --out-dir "$R/w_l41_hf" \
-      --arms "hf_graphed:steps=5,profile_step=4;hf_eager:steps=4,rollout_graphs=0,profile_step=3;hf_graphed2:steps=4"
+      --arms "hf_graphed:steps=5,profile_step=4;hf_eager:steps=4,rollout_graphs=0,profile_step=3,profile_phases=train;hf_graphed_cg:steps=4,cuda_graphs=1;hf_graphed2:steps=4"
     smi_stop
     pack ;;
   lease41b)
