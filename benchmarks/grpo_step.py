@@ -200,6 +200,8 @@ ARM_KEYS = {
     "rollout_graphs": lambda v: v in ("1", "true", "yes"),  # the hf engine's graphed decode (rollout.cuda_graphs)
     # the logprob head per arm: shipped, log_softmax, triton or logsumexp (benchmarks/logprob_heads.py)
     "head": str,
+    # the graphed decode's step through torch.compile before it is recorded (graphed_decode.DecodeGraphs.compiled)
+    "decode_compile": lambda v: v in ("1", "true", "yes"),
     "profile_step": int,  # --profile-step per arm (0: none)
     "profile_phases": lambda v: v.split("+"),  # --profile-phases per arm, "+"-separated (generation+train)
 }
@@ -219,6 +221,14 @@ def parse_arms(spec: str, base: argparse.Namespace) -> list[tuple[str, argparse.
             setattr(arm, key, ARM_KEYS[key](value))
         arms.append((name, arm))
     return arms
+
+
+def _set_decode(engine: Any, decode_graphs: Any, arm: argparse.Namespace) -> None:
+    """The hf engine's decode for this arm: graphed or eager, its step compiled or not."""
+    engine.graphs = decode_graphs if arm.rollout_graphs else None
+    if decode_graphs is not None and decode_graphs.compiled != arm.decode_compile:
+        decode_graphs.compiled = arm.decode_compile
+        decode_graphs.graphs.clear()  # recorded again, through torch.compile or not
 
 
 def run(
@@ -263,7 +273,7 @@ def run(
             elif not arm.cuda_graphs:
                 trainer.graphs = None  # its recorded graphs, and their memory pools, go
             if args.engine == "hf":
-                engine.graphs = decode_graphs if arm.rollout_graphs else None
+                _set_decode(engine, decode_graphs, arm)
             use_logprob_head(arm.head)
             cfg.rl.batch_per_replica = arm.prompts * arm.samples
             cfg.rl.micro_batch_per_replica = arm.micro_batch
@@ -658,6 +668,11 @@ def main(argv: list[str] | None = None) -> int:
         help='several settings in one process on one engine: "name:key=value,...;name2:..." with keys '
         + ", ".join(ARM_KEYS)
         + " (compile and fused_kernels, once on, stay on); each arm writes NAME.json under --out-dir",
+    )
+    p.add_argument(
+        "--decode-compile",
+        action="store_true",
+        help="--engine hf: the graphed decode's step through torch.compile before it is recorded",
     )
     p.add_argument(
         "--profile-step",
