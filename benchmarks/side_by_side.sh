@@ -151,7 +151,7 @@
 #          as CUDA graphs (model.cuda_graphs=true), graphed again (one process), one step of each of the first two
 #          profiled (gpu_profile.py; the eager arm's train phase only), the GPU's clocks and power logged; no kit
 #          (carry .whl); lease41c W with the graphed decode's step compiled (torch.compile) against plain, one
-#          generation of each profiled; lease41b the 1.5B shape on the hf engine graphed, then the small step's size graphed and eager
+#          generation of each profiled; lease41 the two in one call; lease41b the 1.5B shape on the hf engine graphed, then the small step's size graphed and eager
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -1298,6 +1298,16 @@ PY
     smi_log w_l41_hf
     step w_l41_hf 330 --engine hf --model /tmp/m05 --micro-batch 64 --out-dir "$R/w_l41_hf" \
       --arms "hf_graphed:steps=5,profile_step=4;hf_eager:steps=4,rollout_graphs=0,profile_step=3,profile_phases=train;hf_graphed_cg:steps=4,cuda_graphs=1;hf_graphed2:steps=4"
+    smi_stop
+    pack ;;
+  lease41)
+    # lease41a and lease41c in one call (a lease may hold only one): W on the hf engine graphed, eager, graphed
+    # with the update's body graphed, graphed with the step compiled, graphed again; one process, clocks logged
+    kit_free
+    model 0.5b /tmp/m05
+    smi_log w_l41
+    step w_l41 520 --engine hf --model /tmp/m05 --micro-batch 64 --out-dir "$R/w_l41" \
+      --arms "hf_graphed:steps=4,profile_step=3;hf_eager:steps=3,rollout_graphs=0,profile_step=2,profile_phases=train;hf_graphed_cg:steps=3,cuda_graphs=1;hf_compiled:steps=4,decode_compile=1,profile_step=3,profile_phases=generation;hf_graphed2:steps=3"
     smi_stop
     pack ;;
   lease41c)
