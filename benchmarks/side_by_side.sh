@@ -1307,10 +1307,11 @@ PY
     model 0.5b /tmp/m05
     smi_log w_l41
     (while sleep 20; do pack; done) &  # a call cut short by the budget still returns the arms done
+    PACKER=$!
     step w_l41 520 --engine hf --model /tmp/m05 --micro-batch 64 --out-dir "$R/w_l41" \
       --arms "hf_graphed:steps=4,profile_step=3;hf_eager:steps=3,rollout_graphs=0,profile_step=2,profile_phases=train;hf_compiled:steps=4,decode_compile=1,profile_step=3,profile_phases=generation;hf_graphed_cg:steps=3,cuda_graphs=1;hf_graphed2:steps=3"
     smi_stop
-    kill %1 2>/dev/null
+    kill "$PACKER" 2>/dev/null
     pack ;;
   lease41c)
     # the graphed decode's step through torch.compile (Inductor) before it is recorded, against the plain one
