@@ -4,6 +4,7 @@ against the transformers engine's own decode, for each supported family; which m
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,29 @@ def test_the_static_step_decodes_greedily_as_the_engine_does(
         assert g.prompt_index == w.prompt_index and g.finish_reason == w.finish_reason
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=2e-5, rtol=0)
     # the draws were not all one token: the test would pass on a model that ignores its input otherwise
+    assert len({tuple(c.token_ids) for c in got.completions}) > 1
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None, reason="Inductor's CPU code needs a C++ compiler"
+)
+def test_the_compiled_static_step_decodes_as_the_engine_does(smollm2_tokenizer_dir: str, tmp_path: Path) -> None:
+    """``DecodeGraphs(compiled=True)`` (a benchmark arm: the step through torch.compile before it is recorded):
+    Inductor traces the whole step, draw and cache writes included, and it decodes greedily as the eager engine
+    does, token for token, its logprobs within float rounding."""
+    from torch._dynamo.utils import counters
+
+    eager, static = _engines("llama", smollm2_tokenizer_dir, tmp_path)
+    assert static.graphs is not None
+    static.graphs.compiled = True
+    counters.clear()
+    params = SamplingParams(max_tokens=12, temperature=0.0, seed=1)
+    want = eager.generate(PROMPTS, 2, params)
+    got = static.generate(PROMPTS, 2, params)
+    assert counters["stats"]["unique_graphs"] >= 1  # Dynamo traced the step (not silently eager)
+    for w, g in zip(want.completions, got.completions):
+        assert g.token_ids == w.token_ids
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=0)
     assert len({tuple(c.token_ids) for c in got.completions}) > 1
 
 

@@ -299,11 +299,13 @@ class DecodeGraphs:
     ):
         """``record=False`` runs the same static step eagerly instead of recording it: what the CPU tests
         compare with the engine's eager decode. ``forced`` (``rollout.cuda_graphs=true``): a recording that
-        fails raises; otherwise (``auto``) it is logged and the engine decodes eagerly from then on."""
+        fails raises; otherwise (``auto``) it is logged and the engine decodes eagerly from then on.
+        ``compiled``: each new step goes through ``torch.compile`` before it is recorded, so that Inductor fuses
+        its elementwise work into fewer kernels (a benchmark arm, ``grpo_step.py --decode-compile``; not yet
+        measured on a GPU, so no setting reaches it)."""
         self.model, self.precision, self.eos_ids, self.draw, self.record = model, precision, eos_ids, draw, record
         self.forced = forced
-        # the step through torch.compile (Inductor) before it is recorded: its elementwise work fused into fewer
-        # kernels, since a replayed step of a small model is bound by its kernel count (benchmark arms only so far)
+        # a replayed step of a small model is bound by its kernel count, not its arithmetic: fewer, fused kernels
         self.compiled = compiled
         self.mixed = precision is not None and precision.mixed
         self.dtype = precision.compute_dtype if precision is not None else next(model.parameters()).dtype
