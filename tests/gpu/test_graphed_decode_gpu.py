@@ -1,5 +1,6 @@
 """``rollout.cuda_graphs`` on CUDA: the recorded decode step replays what the same step computes eagerly, reads
-the policy's current weights at every call, agrees with the engine's eager decode, and a GRPO run uses it."""
+the policy's current weights at every call, agrees with the engine's eager decode (its step compiled too), and a
+GRPO run uses it."""
 
 from __future__ import annotations
 
@@ -90,6 +91,23 @@ def test_graphed_greedy_decode_matches_the_eager_engine_in_fp32(tiny_model_dir: 
     assert _tokens(got) == _tokens(want)
     for g, w in zip(got.completions, want.completions):
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=0)
+
+
+def test_the_compiled_step_records_and_decodes_as_the_eager_engine(tiny_model_dir: str) -> None:
+    """``DecodeGraphs(compiled=True)``, the benchmark arm: the step through torch.compile (Triton kernels) is
+    recorded and replayed, and in fp32 decodes greedily as the eager engine does; a second call replays it."""
+    from posttrain.rollout.base import SamplingParams
+
+    graphed = _engine(tiny_model_dir, mixed=False, record=True, sharpen=30.0)
+    graphed.graphs.compiled = True
+    eager = _engine(tiny_model_dir, mixed=False, record=None, sharpen=30.0)
+    params = SamplingParams(max_tokens=20, temperature=0.0, seed=0)
+    for _ in range(2):
+        got, want = graphed.generate(PROMPTS, 2, params), eager.generate(PROMPTS, 2, params)
+        assert _tokens(got) == _tokens(want)
+        for g, w in zip(got.completions, want.completions):
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=0)
+    assert len(graphed.graphs.graphs) == 1 and graphed.graphs.graphs.popitem()[1][1] is not None
 
 
 def test_a_grpo_run_samples_through_the_graphs(tiny_model_dir: str, grpo_run: Callable[..., Any]) -> None:
