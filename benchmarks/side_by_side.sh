@@ -151,7 +151,7 @@
 #          as CUDA graphs (model.cuda_graphs=true), graphed again (one process), one step of each of the first two
 #          profiled (gpu_profile.py; the eager arm's train phase only), the GPU's clocks and power logged; no kit
 #          (carry .whl); lease41c W with the graphed decode's step compiled (torch.compile) against plain, one
-#          generation of each profiled; lease41 the two in one call; lease41b the 1.5B shape on the hf engine graphed, then the small step's size graphed and eager
+#          generation of each profiled; lease41 the two in one call; lease41b the GPU tests, the 1.5B shape on the hf engine graphed, then the small step's size graphed and eager
 #   table  the tables from /tmp/sbs
 #
 # What travels: the vLLM 0.24 kit with TRL 1.16, datasets, dill, multiprocess, gguf and the embedded
@@ -1321,8 +1321,10 @@ PY
       --arms "hf_compiled:steps=5,decode_compile=1,profile_step=4,profile_phases=generation;hf_graphed:steps=4,profile_step=3,profile_phases=generation;hf_compiled2:steps=3,decode_compile=1"
     pack ;;
   lease41b)
-    # the 1.5B shape on the hf engine graphed (one step profiled), then the small step's size graphed and eager
+    # the graphed decode's GPU tests (the compiled step's too), the 1.5B shape on the hf engine graphed (one step
+    # profiled), then the small step's size graphed and eager
     kit_free
+    gpu_test_files graphed_decode_gpu 150 tests/gpu/test_graphed_decode_gpu.py
     model 1.5b /tmp/m15
     (model 135m /tmp/m135 &)
     smi_log b15_l41_hf
