@@ -39,7 +39,7 @@ def _engines(
     return eager, static
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_the_static_step_decodes_greedily_as_the_engine_does(
     family: str, smollm2_tokenizer_dir: str, tmp_path: Path
 ) -> None:
@@ -117,7 +117,15 @@ def test_sampling_is_reproducible_and_follows_the_seed(smollm2_tokenizer_dir: st
 
 
 def test_which_models_the_graphed_decode_takes(smollm2_tokenizer_dir: str, tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     from posttrain.models.tiny import make_tiny_model
     from posttrain.rollout.graphed_decode import decode_graph_support
@@ -140,6 +148,13 @@ def test_which_models_the_graphed_decode_takes(smollm2_tokenizer_dir: str, tmp_p
         )
     )
     assert decode_graph_support(windowed) == "sliding-window attention"
+    # Mistral's layers hold no window: its forward reads the config's at every call (Mistral-7B-v0.1: 4,096)
+    mistral = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1}
+    mistral |= {"intermediate_size": 64, "vocab_size": 64}
+    assert decode_graph_support(MistralForCausalLM(MistralConfig(**mistral, sliding_window=4096))) == (
+        "sliding-window attention"
+    )
+    assert decode_graph_support(MistralForCausalLM(MistralConfig(**mistral, sliding_window=None))) is None
 
 
 def test_auto_decodes_eagerly_off_cuda_and_true_refuses(smollm2_tokenizer_dir: str, tmp_path: Path) -> None:

@@ -23,11 +23,14 @@ def make_tiny_model(
     """Save a randomly initialised ``LlamaForCausalLM`` (fp32) sized to ``tokenizer_dir``'s vocabulary,
     together with that tokenizer, into ``out_dir``; returns ``out_dir``. ``family="qwen2"``: the same
     body as a ``Qwen2ForCausalLM`` (biased query/key/value projections); ``family="qwen3"``: a
-    ``Qwen3ForCausalLM`` (an RMSNorm over each query and key head, heads of ``hidden_size / num_heads``)."""
+    ``Qwen3ForCausalLM`` (an RMSNorm over each query and key head, heads of ``hidden_size / num_heads``);
+    ``family="mistral"``: a ``MistralForCausalLM`` with full attention (no sliding window, as Mistral v0.2 on)."""
     import torch
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -38,15 +41,19 @@ def make_tiny_model(
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
     }
     if family not in classes:
         raise ValueError(f"family must be one of {sorted(classes)}, got {family!r}")
     config_class, model_class = classes[family]
-    # Qwen3's config fixes its heads' width (128) apart from the hidden size; the others derive it
-    head_dim = {"head_dim": hidden_size // num_heads} if family == "qwen3" else {}
+    family_options: dict[str, int | None] = {}
+    if family == "qwen3":  # its config fixes its heads' width (128) apart from the hidden size; the others derive it
+        family_options["head_dim"] = hidden_size // num_heads
+    if family == "mistral":  # MistralConfig's default window is 4,096 tokens
+        family_options["sliding_window"] = None
     tokenizer = _tokenizer(tokenizer_dir)
     config = config_class(
-        **head_dim,
+        **family_options,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,

@@ -89,7 +89,7 @@ def decode_graph_support(model: nn.Module) -> str | None:
         attn = getattr(layer, "self_attn", None)
         if attn is None or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
             return f"{type(layer).__name__} has no plain self-attention (q/k/v/o projections)"
-        if getattr(attn, "sliding_window", None) is not None:
+        if _sliding_window(attn, config) is not None:
             return "sliding-window attention"
         if any(hasattr(mod, "lora_A") for mod in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)):
             return "LoRA-wrapped projections"
@@ -97,6 +97,15 @@ def decode_graph_support(model: nn.Module) -> str | None:
     if rope_type not in PLAIN_ROPE:
         return f"rope_type {rope_type!r} (graphed decode: {', '.join(PLAIN_ROPE)})"
     return None
+
+
+def _sliding_window(attn: nn.Module, config: Any) -> int | None:
+    """The window an attention layer attends within, None for full attention. Qwen2 and Qwen3 layers hold
+    theirs (None on their full-attention layers); Mistral's forward reads ``config.sliding_window`` at every
+    call (Mistral-7B-v0.1: 4,096 tokens), so a layer without the attribute has the config's."""
+    holder = attn if hasattr(attn, "sliding_window") else config
+    window: int | None = getattr(holder, "sliding_window", None)
+    return window
 
 
 def decode_graphs_choice(setting: bool | str, model: nn.Module) -> tuple[bool, str]:
