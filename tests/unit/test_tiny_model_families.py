@@ -43,5 +43,6 @@ def test_each_family_saves_its_own_type(
 def test_an_unknown_family_is_refused_by_name(smollm2_tokenizer_dir: str, tmp_path: Path) -> None:
     from posttrain.models.tiny import make_tiny_model
 
-    with pytest.raises(ValueError, match="family must be one of \\['llama', 'mistral', 'qwen2', 'qwen3'\\], got 'gpt2'"):
+    refused = "family must be one of \\['llama', 'mistral', 'qwen2', 'qwen3'\\], got 'gpt2'"
+    with pytest.raises(ValueError, match=refused):
         make_tiny_model(str(tmp_path), smollm2_tokenizer_dir, family="gpt2")
