@@ -256,6 +256,14 @@ def test_a_row_cut_short_is_reported_at_its_own_end(tmp_path: Path, end: str) ->
         JsonlSource(str(path))
 
 
+def test_a_string_cut_short_reads_as_one_phrase(tmp_path: Path) -> None:
+    # json's own message for it ends on "at": the column follows it once, not "starting at at column"
+    path = tmp_path / "cut.jsonl"
+    path.write_text('{"prompt": "x", "answer": 1}\n{"prompt": "2+2", "ans\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"line 2: not valid JSON \(Unterminated string starting at column 19\)$"):
+        JsonlSource(str(path))
+
+
 # ---------------------------------------------------------------- datasets on disk
 
 

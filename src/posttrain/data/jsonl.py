@@ -177,7 +177,8 @@ def decode_json_row(text: str, where: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        # json's "Unterminated string starting at" ends on its own "at"
+        raise DataError(f"{where}: not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})") from None
     except ValueError:  # the int-conversion limit; JSONDecodeError (a ValueError too) is above
         match = re.search(rf"\d{{{sys.get_int_max_str_digits() + 1},}}", text)
         column = f" column {match.start() + 1}" if match else ""
