@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import random
 import statistics
@@ -28,35 +27,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_profile import profile_call  # this script's directory (sys.path[0])
+from gc_clock import GcClock  # this script's directory (sys.path[0])
+from gpu_profile import profile_call
 from logprob_heads import HEADS, use_logprob_head
 
 PEAK_BF16_FLOPS = 989e12  # H200 SXM dense bf16 (datasheet); ~790e12 measured on the device
 
 
-class _GCPauses:
-    """Seconds Python's cyclic garbage collector held the interpreter, summed since the last ``take()``: the
-    fortieth lease's update ran 0.3 s slower after the graphed decode (which allocates almost nothing per token)
-    than after the eager one, and a full collection landing in the update is one candidate."""
-
-    def __init__(self) -> None:
-        self.total_s, self.count, self._start = 0.0, 0, 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, _info: dict[str, int]) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.total_s += time.perf_counter() - self._start
-            self.count += 1
-
-    def take(self) -> tuple[float, int]:
-        taken = (self.total_s, self.count)
-        self.total_s, self.count = 0.0, 0
-        return taken
-
-
-GC_PAUSES = _GCPauses()
+# the garbage collector's pauses inside each train phase: the fortieth lease's update ran 0.3 s slower after the
+# graphed decode (which allocates almost nothing per token) than after the eager one, and a full collection
+# landing in the update is one candidate
+GC_PAUSES = GcClock()
 
 
 def _sync() -> None:

@@ -22,7 +22,6 @@ the garbage collector's passes and time during the call (``gc.callbacks``).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -30,6 +29,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from gc_clock import GcClock  # this script's directory (sys.path[0])
 
 
 def build_model(path: Path) -> None:
@@ -42,21 +43,6 @@ def build_model(path: Path) -> None:
     )  # fmt: skip
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
-
-
-class GcClock:
-    """The collector's passes and seconds while armed."""
-
-    def __init__(self) -> None:
-        self.passes, self.seconds, self._t0 = 0, 0.0, 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.passes += 1
-            self.seconds += time.perf_counter() - self._t0
 
 
 def read_dicts_before(outputs: list[Any], k: int = 0) -> int:
@@ -93,15 +79,16 @@ def run_arms(arms: dict[str, Any], reps: int) -> tuple[dict[str, dict[str, float
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
     for rep in range(reps + 1):
         for name, arm in arms.items():
-            clock.passes, clock.seconds = 0, 0.0
+            clock.take()
             wall, cpu = time.perf_counter(), time.process_time()
             outputs, read = arm()
             generated = time.perf_counter()
             read(outputs)
             done = time.perf_counter()
+            gc_s, gc_passes = clock.take()
             row = {
                 "call_s": generated - wall, "read_s": done - generated, "total_s": done - wall,
-                "cpu_s": time.process_time() - cpu, "gc_passes": clock.passes, "gc_s": clock.seconds,
+                "cpu_s": time.process_time() - cpu, "gc_passes": gc_passes, "gc_s": gc_s,
             }  # fmt: skip
             del outputs
             if rep > 0:  # the first round warms up
