@@ -340,7 +340,7 @@ def update(trainer: Any, batch: Any, step: int, arm: str) -> None:
     trainer.train_on(batch, step=step)
 
 
-def profile_update(trainer: Any, batch: Any, device: str, step: int, arm: str) -> dict[str, Any]:
+def profile_update(trainer: Any, batch: Any, step: int, arm: str) -> dict[str, Any]:
     """One more update under torch.profiler (gpu_profile.profile_call): its wall time against the GPU's
     busy time, the kernels and CUDA-graph replays launched, the aten calls made."""
     from gpu_profile import profile_call  # this directory's, on sys.path (main)
@@ -422,7 +422,7 @@ def _run_arm(shape: str, arm: str, args: argparse.Namespace, share: str) -> dict
         flush=True,
     )
     if args.profile:
-        result["profile"] = prof = profile_update(trainer, batch, args.device, args.repeats + 2, arm)
+        result["profile"] = prof = profile_update(trainer, batch, args.repeats + 2, arm)
         print(
             f"      profiled: wall {1e3 * prof['wall_s']:.1f} ms, GPU busy {1e3 * prof['gpu_busy_s']:.1f} ms "
             f"({prof['kernels']} kernels; {prof['kernel_launches']} launches, {prof['graph_launches']} graph "

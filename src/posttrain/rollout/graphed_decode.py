@@ -314,7 +314,7 @@ class DecodeGraphs:
         measured on a GPU, so no setting reaches it)."""
         self.model, self.precision, self.eos_ids, self.draw, self.record = model, precision, eos_ids, draw, record
         self.forced = forced
-        # a replayed step of a small model is bound by its kernel count, not its arithmetic: fewer, fused kernels
+        # a replayed step of a small model is probably bound by its kernel count, not its arithmetic (unprofiled)
         self.compiled = compiled
         self.mixed = precision is not None and precision.mixed
         self.dtype = precision.compute_dtype if precision is not None else next(model.parameters()).dtype
